@@ -1,0 +1,1 @@
+"""Helix Locks: a lock authority for background workers, in front of PostgreSQL."""

@@ -1,0 +1,130 @@
+"""The HTTP routes: thin adapters from requests to lock operations and back."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+
+from service import migrate
+from service.errors import LockNotFound
+from service.locks import Locks, State
+from service.problems import problem
+from service.schemas import (
+    AcquireRequest,
+    GrantBody,
+    Identifier,
+    LockBody,
+    PageBody,
+    Problem,
+    RenewalBody,
+    RenewRequest,
+    ttl_ms,
+)
+
+BIGINT_MAX = 2**63 - 1
+
+
+def get_locks(request: Request) -> Locks:
+    locks: Locks = request.app.state.locks
+    return locks
+
+
+def lock_id(lock_id: Annotated[str, Path(description="The id an acquire returned.")]) -> int:
+    """Ids are opaque to clients: anything that is not one of ours is simply not found."""
+    if not (lock_id.isascii() and lock_id.isdigit()) or not 0 < int(lock_id) <= BIGINT_MAX:
+        raise LockNotFound()
+    return int(lock_id)
+
+
+LocksDep = Annotated[Locks, Depends(get_locks)]
+LockId = Annotated[int, Depends(lock_id)]
+LockToken = Annotated[str, Header(alias="Lock-Token", description="The token the acquire returned.")]
+
+
+def _problems(*statuses: int) -> dict[int | str, dict[str, object]]:
+    return {status: {"model": Problem, "content": {"application/problem+json": {}}} for status in statuses}
+
+
+router = APIRouter(prefix="/v1", tags=["locks"])
+
+
+@router.post("/locks", status_code=201, responses=_problems(409, 413, 422, 503))
+async def acquire(body: AcquireRequest, locks: LocksDep, response: Response) -> GrantBody:
+    """Acquire the lock for (organization_id, job_type), reclaiming it if its lease ran out."""
+    grant = await locks.acquire(
+        body.organization_id, body.job_type, body.holder, ttl_ms(body.ttl_seconds), body.metadata
+    )
+    response.headers["Location"] = f"/v1/locks/{grant.lock.id}"
+    return GrantBody.of_grant(grant)
+
+
+@router.get("/locks", responses=_problems(422, 503))
+async def list_locks(
+    locks: LocksDep,
+    organization_id: Identifier | None = None,
+    job_type: Identifier | None = None,
+    state: Annotated[
+        State | None,
+        Query(description="held or expired (default: both); released or reclaimed read history."),
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    cursor: Annotated[str | None, Query(max_length=2048)] = None,
+) -> PageBody:
+    """Locks not yet released in key order, or ended locks newest first."""
+    page = await locks.list(
+        organization_id=organization_id, job_type=job_type, state=state, limit=limit, cursor=cursor
+    )
+    return PageBody(items=[LockBody.of(lock) for lock in page.items], next_cursor=page.next_cursor)
+
+
+@router.get("/locks/current", responses=_problems(404, 422, 503))
+async def current(locks: LocksDep, organization_id: Identifier, job_type: Identifier) -> LockBody:
+    """The lock held now for the key (404 when none is, a lapsed lease included)."""
+    return LockBody.of(await locks.current(organization_id, job_type))
+
+
+@router.get("/locks/{lock_id}", responses=_problems(404, 503))
+async def get_lock(locks: LocksDep, lock_id: LockId) -> LockBody:
+    """One lock, in any state."""
+    return LockBody.of(await locks.get(lock_id))
+
+
+@router.delete("/locks/{lock_id}", status_code=204, responses=_problems(403, 404, 410, 422, 503))
+async def release(locks: LocksDep, lock_id: LockId, token: LockToken) -> Response:
+    """Release a lock you hold; 410 tells you it had already ended."""
+    await locks.release(lock_id, token)
+    return Response(status_code=204)
+
+
+@router.post("/locks/{lock_id}/renew", responses=_problems(403, 404, 410, 422, 503))
+async def renew(locks: LocksDep, lock_id: LockId, token: LockToken, body: RenewRequest) -> RenewalBody:
+    """Extend the lease to database-now + ttl_seconds; works on a lapsed lease nobody reclaimed."""
+    return RenewalBody.of_renewal(await locks.renew(lock_id, token, ttl_ms(body.ttl_seconds)))
+
+
+health = APIRouter(tags=["service"])
+
+
+@health.get("/healthz")
+async def healthz() -> dict[str, Literal["ok"]]:
+    """The process is alive."""
+    return {"status": "ok"}
+
+
+@health.get("/readyz", responses=_problems(503))
+async def readyz(locks: LocksDep) -> Response:
+    """The database answers and every migration of this build is applied."""
+    try:
+        missing = await migrate.pending(locks.db)
+    except migrate.MigrationError as exc:
+        return problem(503, "not-migrated", "Not ready", str(exc), headers={"Retry-After": "5"})
+    if missing:
+        return problem(
+            503,
+            "not-migrated",
+            "Not ready",
+            f"Migrations not applied: {', '.join(missing)}.",
+            headers={"Retry-After": "5"},
+        )
+    return Response('{"status":"ready"}', media_type="application/json")

@@ -1,0 +1,156 @@
+"""The app factory: settings, the pool's lifespan, the body limit and the error handlers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service import api, problems
+from service.db import Database, create_pool
+from service.errors import DatabaseUnavailable, EmptyResult, LockError
+from service.locks import Locks
+from service.settings import Settings
+
+MAX_BODY_BYTES = 64 * 1024
+logger = logging.getLogger("helix_locks")
+
+
+class BodyLimit:
+    """Answers 413 (as a problem) to a body over the limit, declared or streamed, before parsing.
+
+    FastAPI's own max_body_size answers a declared oversize body in plain text, so not that.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        too_large = declared is not None and declared.isdigit() and int(declared) > self.max_bytes
+        body = b""
+        while not too_large:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client went away; the app will see that on its next receive
+            body += message.get("body", b"")
+            too_large = len(body) > self.max_bytes
+            if not message.get("more_body", False):
+                break
+        if too_large:
+            response = problems.problem(
+                413,
+                "body-too-large",
+                "Request body too large",
+                f"A request body may be at most {self.max_bytes} bytes.",
+            )
+            await response(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def _field(loc: tuple[int | str, ...], kind: str) -> str:
+    """'ttl_seconds' for ('body', 'ttl_seconds'); the whole body for body-level errors."""
+    if kind == "json_invalid" or len(loc) < 2:
+        return str(loc[0]) if loc else "body"
+    return ".".join(str(part) for part in loc[1:])
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    body_errors = any(err["loc"][:1] == ("body",) for err in exc.errors())
+    if body_errors and not (content_type == "application/json" or content_type.endswith("+json")):
+        return problems.problem(
+            415,
+            "unsupported-media-type",
+            "Unsupported media type",
+            "Send the body as JSON with Content-Type: application/json.",
+        )
+    errors = [
+        {
+            "field": _field(tuple(err["loc"]), err["type"]),
+            "message": str(err["msg"]).removeprefix("Value error, "),
+        }
+        for err in exc.errors()
+    ]
+    return problems.invalid(errors)
+
+
+async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, LockError)
+    if isinstance(exc, DatabaseUnavailable):
+        logger.warning("database unavailable: %s", exc.reason)
+    elif isinstance(exc, EmptyResult):
+        logger.error("a lock function returned no row: %s", exc)
+    return problems.from_error(exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 400:
+        # FastAPI's only 400: a body it could not decode (not UTF-8, nested too deep for JSON).
+        return problems.invalid([{"field": "body", "message": "not a readable JSON document"}])
+    return problems.problem(
+        exc.status_code,
+        f"http-{exc.status_code}",
+        str(exc.detail),
+        str(exc.detail),
+        headers=exc.headers,
+    )
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return problems.internal()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The service; settings come from the environment unless given."""
+    settings = settings or Settings()  # type: ignore[call-arg]  # database_url comes from the env
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = create_pool(settings)
+        await pool.open(wait=True, timeout=settings.pool_open_timeout_seconds)
+        app.state.locks = Locks(Database(pool))
+        try:
+            yield
+        finally:
+            await pool.close()
+
+    app = FastAPI(
+        title="Helix Locks",
+        version="0.1.0",
+        summary="A lock authority for background workers: one job per organization and job type at once.",
+        lifespan=lifespan,
+        # A body sent without any Content-Type is read as JSON; other types are refused.
+        strict_content_type=False,
+    )
+    app.include_router(api.router)
+    app.include_router(api.health)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(LockError, _domain_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)
+    app.add_middleware(BodyLimit)
+    return app

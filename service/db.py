@@ -1,0 +1,136 @@
+"""The connection pool, and the one place where PostgreSQL errors become domain errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Any, LiteralString
+
+import psycopg
+from psycopg.rows import DictRow, dict_row
+from psycopg_pool import AsyncConnectionPool
+
+from service.errors import (
+    DatabaseUnavailable,
+    EmptyResult,
+    InvalidArgument,
+    LockEnded,
+    LockError,
+    LockHeld,
+    LockNotFound,
+    TokenMismatch,
+)
+from service.settings import Settings
+
+Pool = AsyncConnectionPool[psycopg.AsyncConnection[DictRow]]
+
+
+def _detail(exc: psycopg.Error) -> dict[str, Any]:
+    """The JSON our functions put in DETAIL; {} for anything else (e.g. the index itself)."""
+    try:
+        detail = json.loads(exc.diag.message_detail or "")
+    except ValueError:
+        return {}
+    return detail if isinstance(detail, dict) else {}
+
+
+def _time(value: Any) -> datetime | None:
+    return datetime.fromisoformat(value) if isinstance(value, str) else None
+
+
+def _lock_held(exc: psycopg.Error) -> LockError:
+    detail = _detail(exc)
+    return LockHeld(
+        lock_id=detail.get("lock_id"),
+        holder=detail.get("holder"),
+        expires_at=_time(detail.get("expires_at")),
+        retry_after_seconds=int(detail.get("retry_after_seconds", 1)),
+    )
+
+
+def _lock_ended(exc: psycopg.Error) -> LockError:
+    detail = _detail(exc)
+    released_at = _time(detail.get("released_at"))
+    assert released_at is not None, "HL003 always carries released_at"
+    return LockEnded(detail["lock_id"], detail["release_reason"], released_at)
+
+
+def _invalid(exc: psycopg.Error) -> LockError:
+    return InvalidArgument(exc.diag.column_name or "body", exc.diag.message_primary or "invalid")
+
+
+# SQLSTATE -> domain error. The codes are raised by the functions in migrations/.
+SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
+    "23505": _lock_held,
+    "22023": _invalid,
+    "HL001": lambda exc: LockNotFound(),
+    "HL002": lambda exc: TokenMismatch(),
+    "HL003": _lock_ended,
+}
+
+
+@asynccontextmanager
+async def translated() -> AsyncIterator[None]:
+    """Re-raise PostgreSQL errors as domain errors, chained to the original."""
+    try:
+        yield
+    except psycopg.OperationalError as exc:
+        # Connection lost, pool wait over, statement cancelled by statement_timeout, shutdown.
+        raise DatabaseUnavailable(type(exc).__name__) from exc
+    except psycopg.Error as exc:
+        make = SQLSTATES.get(exc.sqlstate or "")
+        if make is None:
+            raise
+        raise make(exc) from exc
+
+
+def create_pool(settings: Settings) -> Pool:
+    """A closed pool; the app's lifespan opens it."""
+
+    async def configure(conn: psycopg.AsyncConnection[DictRow]) -> None:
+        await conn.execute(
+            "SELECT set_config('TimeZone', 'UTC', false), set_config('statement_timeout', %(ms)s, false)",
+            {"ms": str(settings.statement_timeout_ms)},
+        )
+
+    return Pool(
+        settings.database_url,
+        min_size=settings.pool_min_size,
+        max_size=settings.pool_max_size,
+        timeout=settings.pool_timeout_seconds,
+        open=False,
+        name="helix-locks",
+        configure=configure,
+        kwargs={
+            "autocommit": True,
+            "row_factory": dict_row,
+            # Prepare every statement on first use: one round trip per request after that.
+            "prepare_threshold": 0,
+            "application_name": "helix-locks",
+        },
+    )
+
+
+class Database:
+    """Runs one statement on a pooled connection, with errors translated."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    async def fetch_all(self, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:
+        async with translated(), self.pool.connection() as conn:
+            cursor = await conn.execute(query, params)
+            return await cursor.fetchall()
+
+    async def fetch_optional(self, query: LiteralString, params: Mapping[str, Any]) -> DictRow | None:
+        rows = await self.fetch_all(query, params)
+        return rows[0] if rows else None
+
+    async def fetch_first(self, query: LiteralString, params: Mapping[str, Any]) -> DictRow:
+        """The first row of a function's set; an empty set is an error, never a success."""
+        row = await self.fetch_optional(query, params)
+        if row is None:
+            raise EmptyResult(query.split("(")[0].strip())
+        return row

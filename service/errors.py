@@ -1,0 +1,58 @@
+"""Domain errors: what can go wrong with a lock, in the lock's own terms (no HTTP, no SQL)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+
+class LockError(Exception):
+    """Base of every error the domain reports to its callers."""
+
+
+@dataclass
+class LockHeld(LockError):
+    """A live, unexpired lock holds the key."""
+
+    lock_id: int | None
+    holder: str | None
+    expires_at: datetime | None
+    retry_after_seconds: int
+
+
+@dataclass
+class LockNotFound(LockError):
+    """No lock with this id exists (for this caller)."""
+
+
+@dataclass
+class TokenMismatch(LockError):
+    """The token presented does not prove ownership of the lock."""
+
+
+@dataclass
+class LockEnded(LockError):
+    """The lock ended earlier: released by its holder, reclaimed by another worker, or forced."""
+
+    lock_id: int
+    release_reason: str
+    released_at: datetime
+
+
+@dataclass
+class InvalidArgument(LockError):
+    """A value the caller sent is out of range or unreadable."""
+
+    field: str
+    message: str
+
+
+@dataclass
+class DatabaseUnavailable(LockError):
+    """PostgreSQL could not be reached or did not answer in time."""
+
+    reason: str
+
+
+class EmptyResult(LockError):
+    """A function that must return a row returned none: a bug, never a success."""

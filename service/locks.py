@@ -1,0 +1,203 @@
+"""Lock operations: each one is a single SQL statement, its row turned into plain data."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from psycopg.rows import DictRow
+from psycopg.types.json import Jsonb
+
+from service import queries
+from service.db import Database
+from service.errors import InvalidArgument, LockNotFound
+
+State = Literal["held", "expired", "released", "reclaimed"]
+LIVE_STATES: tuple[State, ...] = ("held", "expired")
+
+
+@dataclass(frozen=True)
+class Lock:
+    """One grant, in any state, as the database reported it at answer time."""
+
+    id: int
+    organization_id: str
+    job_type: str
+    holder: str
+    fencing_token: int
+    acquired_at: datetime
+    expires_at: datetime
+    released_at: datetime | None
+    release_reason: str | None
+    state: State
+    ttl_remaining_ms: int
+    metadata: dict[str, Any] | None
+
+    @classmethod
+    def from_row(cls, row: DictRow) -> Lock:
+        return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    """The stale lock that a grant took over."""
+
+    lock_id: int
+    holder: str
+    expired_at: datetime
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A successful acquire: the lock, its secret token, and what it reclaimed if anything."""
+
+    lock: Lock
+    token: str
+    reclaimed: Reclaimed | None
+
+
+@dataclass(frozen=True)
+class Renewal:
+    """A renewed lock; lapsed says its lease had run out (unreclaimed) before the renewal."""
+
+    lock: Lock
+    lapsed: bool
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of a listing; next_cursor is None when nothing follows."""
+
+    items: list[Lock]
+    next_cursor: str | None
+
+
+def _encode_cursor(state: State | None, key: list[Any]) -> str:
+    raw = json.dumps({"s": state, "k": key}, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str, state: State | None, live: bool) -> list[Any]:
+    """The key a cursor carries, typed; InvalidArgument unless this kind of listing made it."""
+    try:
+        data = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        first, second = data["k"]
+        if data["s"] != state:
+            raise ValueError("cursor of another state")
+        if live and _is_text(first) and _is_text(second):
+            return [first, second]
+        if not live and isinstance(second, int) and not isinstance(second, bool) and 0 < second < 2**63:
+            return [datetime.fromisoformat(first), second]
+        raise ValueError("cursor key of the wrong shape")
+    except (ValueError, KeyError, TypeError, binascii.Error, UnicodeDecodeError) as exc:
+        raise InvalidArgument("cursor", "not a cursor of this listing") from exc
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) and storable_text(value)
+
+
+def storable_text(value: str) -> bool:
+    """PostgreSQL text holds any Unicode but NUL; lone surrogates are not Unicode at all."""
+    if "\x00" in value:
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class Locks:
+    """The lock operations of one service process."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def acquire(
+        self,
+        organization_id: str,
+        job_type: str,
+        holder: str,
+        ttl_ms: int,
+        metadata: dict[str, Any] | None,
+    ) -> Grant:
+        row = await self.db.fetch_first(
+            queries.ACQUIRE,
+            {
+                "organization_id": organization_id,
+                "job_type": job_type,
+                "holder": holder,
+                "ttl_ms": ttl_ms,
+                "metadata": None if metadata is None else Jsonb(metadata),
+            },
+        )
+        reclaimed = None
+        if row["reclaimed_lock_id"] is not None:
+            reclaimed = Reclaimed(
+                row["reclaimed_lock_id"], row["reclaimed_holder"], row["reclaimed_expired_at"]
+            )
+        return Grant(Lock.from_row(row), row["token"], reclaimed)
+
+    async def release(self, lock_id: int, token: str) -> Lock:
+        row = await self.db.fetch_first(queries.RELEASE, {"lock_id": lock_id, "token": token})
+        return Lock.from_row(row)
+
+    async def renew(self, lock_id: int, token: str, ttl_ms: int) -> Renewal:
+        row = await self.db.fetch_first(queries.RENEW, {"lock_id": lock_id, "token": token, "ttl_ms": ttl_ms})
+        return Renewal(Lock.from_row(row), row["lapsed"])
+
+    async def get(self, lock_id: int) -> Lock:
+        row = await self.db.fetch_optional(queries.GET, {"lock_id": lock_id})
+        if row is None:
+            raise LockNotFound()
+        return Lock.from_row(row)
+
+    async def current(self, organization_id: str, job_type: str) -> Lock:
+        """The lock held right now for the key; a lapsed lease is not held."""
+        row = await self.db.fetch_optional(
+            queries.CURRENT, {"organization_id": organization_id, "job_type": job_type}
+        )
+        if row is None:
+            raise LockNotFound()
+        return Lock.from_row(row)
+
+    async def list(
+        self,
+        *,
+        organization_id: str | None,
+        job_type: str | None,
+        state: State | None,
+        limit: int,
+        cursor: str | None,
+    ) -> Page:
+        """Live locks (held, expired or both) in key order, or history newest first."""
+        live = state is None or state in LIVE_STATES
+        after = _decode_cursor(cursor, state, live) if cursor else [None, None]
+        params: dict[str, Any] = {
+            "organization_id": organization_id,
+            "job_type": job_type,
+            "state": state,
+            "limit": limit + 1,
+        }
+        if live:
+            params.update(after_organization_id=after[0], after_job_type=after[1])
+            rows = await self.db.fetch_all(queries.LIST_LIVE, params)
+        else:
+            params.update(after_released_at=after[0], after_id=after[1])
+            rows = await self.db.fetch_all(queries.LIST_HISTORY, params)
+        items = [Lock.from_row(row) for row in rows[:limit]]
+        next_cursor = None
+        if len(rows) > limit:
+            last = items[-1]
+            if live:
+                key: list[Any] = [last.organization_id, last.job_type]
+            else:
+                assert last.released_at is not None
+                key = [last.released_at.isoformat(), last.id]
+            next_cursor = _encode_cursor(state, key)
+        return Page(items, next_cursor)

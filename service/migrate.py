@@ -1,0 +1,92 @@
+"""The migration runner: applies migrations/NNNN_*.sql in order, each once, checksummed."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+
+from service import queries
+from service.db import Database
+
+# pg_advisory_lock key held while migrating, so replicas starting together apply each file once.
+ADVISORY_LOCK_KEY = 0x48454C49584C4B  # "HELIXLK"
+_NAME = re.compile(r"^\d{4}_[a-z0-9_]+\.sql$")
+
+
+class MigrationError(Exception):
+    """The database's schema history does not agree with this build's migrations."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    name: str
+    sql: bytes
+
+    @property
+    def checksum(self) -> str:
+        return hashlib.sha256(self.sql).hexdigest()
+
+
+def migrations_dir() -> Path:
+    """Inside the installed package (the wheel copies them there), else the source tree's."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "migrations", here.parent / "migrations"):
+        if candidate.is_dir():
+            return candidate
+    raise MigrationError(f"no migrations directory beside {here}")
+
+
+def load() -> list[Migration]:
+    files = sorted(p for p in migrations_dir().iterdir() if _NAME.match(p.name))
+    return [Migration(p.name, p.read_bytes()) for p in files]
+
+
+def _check(migration: Migration, applied: dict[str, str]) -> bool:
+    """True if already applied; MigrationError if applied with other content."""
+    checksum = applied.get(migration.name)
+    if checksum is None:
+        return False
+    if checksum != migration.checksum:
+        raise MigrationError(
+            f"{migration.name} was applied with checksum {checksum} but the file now has "
+            f"{migration.checksum}; applied migrations must never change: add a new file instead"
+        )
+    return True
+
+
+def migrate(conninfo: str) -> list[str]:
+    """Apply what is pending; returns the names applied. Safe to run from many processes at once."""
+    done: list[str] = []
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(queries.MIGRATION_LOCK, {"key": ADVISORY_LOCK_KEY})
+        try:
+            conn.execute(queries.CREATE_MIGRATIONS_TABLE)
+            rows = conn.execute(queries.APPLIED_MIGRATIONS).fetchall()
+            applied = {name: checksum for name, checksum in rows}
+            for migration in load():
+                if _check(migration, applied):
+                    continue
+                with conn.transaction():
+                    conn.execute(migration.sql)
+                    conn.execute(
+                        queries.RECORD_MIGRATION,
+                        {"name": migration.name, "checksum": migration.checksum},
+                    )
+                done.append(migration.name)
+        finally:
+            conn.execute(queries.MIGRATION_UNLOCK, {"key": ADVISORY_LOCK_KEY})
+    return done
+
+
+async def pending(db: Database) -> list[str]:
+    """Migrations of this build not applied to the database (MigrationError if one changed)."""
+    present = await db.fetch_first(queries.MIGRATIONS_TABLE_EXISTS, {})
+    applied: dict[str, str] = {}
+    if present["exists"]:
+        rows = await db.fetch_all(queries.APPLIED_MIGRATIONS, {})
+        applied = {row["name"]: row["checksum"] for row in rows}
+    return [m.name for m in load() if not _check(m, applied)]

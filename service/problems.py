@@ -1,0 +1,117 @@
+"""The one table from domain errors to RFC 9457 problem responses, and the response builder."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from service.errors import (
+    DatabaseUnavailable,
+    EmptyResult,
+    InvalidArgument,
+    LockEnded,
+    LockError,
+    LockHeld,
+    LockNotFound,
+    TokenMismatch,
+)
+
+MEDIA_TYPE = "application/problem+json"
+# Seconds a client should wait before trying again while the database is unreachable.
+UNAVAILABLE_RETRY_AFTER = 2
+
+
+def problem(
+    status: int,
+    kind: str,
+    title: str,
+    detail: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    **fields: Any,
+) -> JSONResponse:
+    """A problem+json response; `kind` names the problem type (urn:helix-locks:problem:KIND)."""
+    body = {"type": f"urn:helix-locks:problem:{kind}", "title": title, "status": status, "detail": detail}
+    body.update({name: _json(value) for name, value in fields.items()})
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}), media_type=MEDIA_TYPE)
+
+
+def rfc3339(value: datetime) -> str:
+    return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _json(value: Any) -> Any:
+    return rfc3339(value) if isinstance(value, datetime) else value
+
+
+def _held(exc: LockHeld) -> JSONResponse:
+    return problem(
+        409,
+        "lock-held",
+        "Lock held",
+        "A live lock holds this organization and job type.",
+        headers={"Retry-After": str(exc.retry_after_seconds)},
+        lock_id=exc.lock_id,
+        holder=exc.holder,
+        expires_at=exc.expires_at,
+    )
+
+
+def _ended(exc: LockEnded) -> JSONResponse:
+    how = {
+        "released": "was released",
+        "reclaimed": "expired and was reclaimed by another worker",
+        "forced": "was broken by an administrator",
+    }.get(exc.release_reason, "ended")
+    return problem(
+        410,
+        "lock-ended",
+        "Lock ended",
+        f"The lock {how}; its holder no longer owns it.",
+        lock_id=exc.lock_id,
+        release_reason=exc.release_reason,
+        released_at=exc.released_at,
+    )
+
+
+def _invalid(exc: InvalidArgument) -> JSONResponse:
+    return invalid([{"field": exc.field, "message": exc.message}])
+
+
+def invalid(errors: list[dict[str, str]]) -> JSONResponse:
+    names = ", ".join(error["field"] for error in errors)
+    return problem(422, "invalid-request", "Invalid request", f"Invalid: {names}.", errors=errors)
+
+
+def _unavailable(exc: DatabaseUnavailable) -> JSONResponse:
+    return problem(
+        503,
+        "database-unavailable",
+        "Database unavailable",
+        "The lock database cannot be reached right now; try again.",
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)},
+    )
+
+
+def internal() -> JSONResponse:
+    return problem(500, "internal-error", "Internal error", "The service failed; the error is logged.")
+
+
+PROBLEMS: Mapping[type[LockError], Callable[[Any], JSONResponse]] = {
+    LockHeld: _held,
+    LockNotFound: lambda exc: problem(404, "lock-not-found", "Lock not found", "No such lock."),
+    TokenMismatch: lambda exc: problem(
+        403, "token-mismatch", "Token mismatch", "The Lock-Token does not match this lock."
+    ),
+    LockEnded: _ended,
+    InvalidArgument: _invalid,
+    DatabaseUnavailable: _unavailable,
+    EmptyResult: lambda exc: internal(),
+}
+
+
+def from_error(exc: LockError) -> JSONResponse:
+    return PROBLEMS[type(exc)](exc)

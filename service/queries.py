@@ -1,0 +1,68 @@
+"""Every SQL statement the service sends, as constants with named parameters.
+
+Schema and functions live in migrations/; these statements only call them or read the
+helix_job_lock_views view, whose state and ttl_remaining_ms come from the database clock.
+"""
+
+ACQUIRE = """
+SELECT * FROM helix_acquire_job_lock(
+    %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s
+)
+"""
+
+RELEASE = "SELECT * FROM helix_release_job_lock(%(lock_id)s, %(token)s)"
+
+RENEW = "SELECT * FROM helix_renew_job_lock(%(lock_id)s, %(token)s, %(ttl_ms)s)"
+
+GET = "SELECT * FROM helix_job_lock_views WHERE id = %(lock_id)s"
+
+CURRENT = """
+SELECT * FROM helix_job_lock_views
+WHERE organization_id = %(organization_id)s
+  AND job_type = %(job_type)s
+  AND released_at IS NULL
+  AND state = 'held'
+"""
+
+# Locks not yet released (held, expired or both), in key order; the cursor is the last key seen.
+LIST_LIVE = """
+SELECT * FROM helix_job_lock_views
+WHERE released_at IS NULL
+  AND (%(organization_id)s::text IS NULL OR organization_id = %(organization_id)s)
+  AND (%(job_type)s::text IS NULL OR job_type = %(job_type)s)
+  AND (%(state)s::text IS NULL OR state = %(state)s)
+  AND (%(after_organization_id)s::text IS NULL
+       OR (organization_id, job_type) > (%(after_organization_id)s, %(after_job_type)s))
+ORDER BY organization_id, job_type
+LIMIT %(limit)s
+"""
+
+# Ended locks, newest end first; the cursor is the last (released_at, id) seen.
+LIST_HISTORY = """
+SELECT * FROM helix_job_lock_views
+WHERE released_at IS NOT NULL
+  AND state = %(state)s
+  AND (%(organization_id)s::text IS NULL OR organization_id = %(organization_id)s)
+  AND (%(job_type)s::text IS NULL OR job_type = %(job_type)s)
+  AND (%(after_released_at)s::timestamptz IS NULL
+       OR (released_at, id) < (%(after_released_at)s, %(after_id)s))
+ORDER BY released_at DESC, id DESC
+LIMIT %(limit)s
+"""
+
+
+# Migration bookkeeping (service/migrate.py).
+MIGRATION_LOCK = "SELECT pg_advisory_lock(%(key)s)"
+MIGRATION_UNLOCK = "SELECT pg_advisory_unlock(%(key)s)"
+CREATE_MIGRATIONS_TABLE = """
+CREATE TABLE IF NOT EXISTS helix_schema_migrations (
+    name       text        PRIMARY KEY,
+    checksum   text        NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
+)
+"""
+MIGRATIONS_TABLE_EXISTS = "SELECT to_regclass('helix_schema_migrations') IS NOT NULL AS exists"
+APPLIED_MIGRATIONS = "SELECT name, checksum FROM helix_schema_migrations"
+RECORD_MIGRATION = """
+INSERT INTO helix_schema_migrations (name, checksum) VALUES (%(name)s, %(checksum)s)
+"""

@@ -1,0 +1,22 @@
+"""Service settings, read from the environment when the app is built (never at import)."""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """What the service needs to run; every field can be set as HELIX_LOCKS_<NAME>."""
+
+    model_config = SettingsConfigDict(env_prefix="HELIX_LOCKS_", extra="ignore", frozen=True)
+
+    database_url: str = Field(validation_alias=AliasChoices("DATABASE_URL", "HELIX_LOCKS_DATABASE_URL"))
+    pool_min_size: int = Field(default=2, ge=1)
+    pool_max_size: int = Field(default=10, ge=1)
+    # How long a request waits for a pooled connection before it answers 503.
+    pool_timeout_seconds: float = Field(default=2.0, gt=0)
+    # How long the service waits for PostgreSQL at start before it gives up.
+    pool_open_timeout_seconds: float = Field(default=30.0, gt=0)
+    # A statement that runs longer is cancelled and answered with 503: nothing hangs.
+    statement_timeout_ms: int = Field(default=5000, ge=100)
