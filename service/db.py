@@ -76,14 +76,15 @@ async def translated() -> AsyncIterator[None]:
     """Re-raise PostgreSQL errors as domain errors, chained to the original."""
     try:
         yield
-    except psycopg.OperationalError as exc:
-        # Connection lost, pool wait over, statement cancelled by statement_timeout, shutdown.
-        raise DatabaseUnavailable(type(exc).__name__) from exc
     except psycopg.Error as exc:
         make = SQLSTATES.get(exc.sqlstate or "")
-        if make is None:
-            raise
-        raise make(exc) from exc
+        if make is not None:
+            raise make(exc) from exc
+        if isinstance(exc, psycopg.OperationalError):
+            # Connection lost, pool wait over, statement_timeout, shutdown. (psycopg also files
+            # unknown SQLSTATE classes such as our HL here, hence the table first.)
+            raise DatabaseUnavailable(type(exc).__name__) from exc
+        raise
 
 
 def create_pool(settings: Settings) -> Pool:

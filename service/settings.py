@@ -9,7 +9,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class Settings(BaseSettings):
     """What the service needs to run; every field can be set as HELIX_LOCKS_<NAME>."""
 
-    model_config = SettingsConfigDict(env_prefix="HELIX_LOCKS_", extra="ignore", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="HELIX_LOCKS_", extra="ignore", frozen=True, populate_by_name=True
+    )
 
     database_url: str = Field(validation_alias=AliasChoices("DATABASE_URL", "HELIX_LOCKS_DATABASE_URL"))
     pool_min_size: int = Field(default=2, ge=1)

@@ -1,0 +1,115 @@
+"""Fixtures: a real PostgreSQL, a template database migrated once, a fresh copy per test.
+
+With HELIX_TEST_DATABASE_URL set (any database on a server where the user may CREATE DATABASE)
+the tests use that server; without it they start a throwaway embedded PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+from psycopg import sql
+
+from service import embedded
+from service.app import create_app
+from service.migrate import migrate
+from service.settings import Settings
+from tests.support import url_for
+
+TEST_DATABASE_URL = "HELIX_TEST_DATABASE_URL"
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def server_url() -> Iterator[str]:
+    """A maintenance connection URL to the PostgreSQL server the tests use."""
+    given = os.environ.get(TEST_DATABASE_URL)
+    if given:
+        yield given
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="helix-test-pg-"))
+    try:
+        with embedded.server(workdir / "pgdata", delete=True) as url:
+            yield url
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _create(server_url: str, name: str, template: str | None = None) -> None:
+    query = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template:
+        query = sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            sql.Identifier(name), sql.Identifier(template)
+        )
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(query)
+
+
+def _drop(server_url: str, name: str) -> None:
+    with psycopg.connect(server_url, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture(scope="session")
+def template_name(server_url: str) -> Iterator[str]:
+    name = f"helix_template_{uuid.uuid4().hex[:12]}"
+    _create(server_url, name)
+    try:
+        migrate(url_for(server_url, name))
+        yield name
+    finally:
+        _drop(server_url, name)
+
+
+@pytest.fixture
+def empty_db_url(server_url: str) -> Iterator[str]:
+    """A fresh database with no schema at all."""
+    name = f"helix_test_{uuid.uuid4().hex[:12]}"
+    _create(server_url, name)
+    try:
+        yield url_for(server_url, name)
+    finally:
+        _drop(server_url, name)
+
+
+@pytest.fixture
+def db_url(server_url: str, template_name: str) -> Iterator[str]:
+    """A fresh, migrated database of this test's own, dropped afterwards."""
+    name = f"helix_test_{uuid.uuid4().hex[:12]}"
+    _create(server_url, name, template=template_name)
+    try:
+        yield url_for(server_url, name)
+    finally:
+        _drop(server_url, name)
+
+
+@pytest.fixture
+def conn(db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    """An autocommit connection to this test's database, for SQL-level tests and time travel."""
+    with psycopg.connect(db_url, autocommit=True) as connection:
+        connection.execute("SET TimeZone = 'UTC'")
+        yield connection
+
+
+@pytest.fixture
+async def client(db_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    """The app in-process, inside its lifespan, on this test's database."""
+    app = create_app(Settings(database_url=db_url, pool_timeout_seconds=1.0))
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://helix.test") as http,
+    ):
+        yield http

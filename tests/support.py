@@ -1,0 +1,128 @@
+"""Helpers shared by tests: connection strings, free ports, real service processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def url_for(server_url: str, dbname: str) -> str:
+    """The server's connection string, pointed at another database."""
+    return make_conninfo(server_url, dbname=dbname)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def helix_command(*args: str) -> list[str]:
+    """`helix-locks ARGS` run by this interpreter, so the tests need nothing on PATH."""
+    return [sys.executable, "-m", "service.cli", *args]
+
+
+def wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"service exited with {process.returncode} before it was ready")
+        try:
+            if httpx.get(f"{base_url}/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{base_url} not ready after {timeout} s")
+
+
+@contextmanager
+def running_service(
+    *args: str, env: Mapping[str, str], log: Path, timeout: float = 60
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`helix-locks serve ARGS` on a free port, ready; SIGTERMed (then killed) on exit."""
+    port = free_port()
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            helix_command("serve", "--port", str(port), *args),
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base_url, process, timeout)
+        yield base_url, process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+class TcpProxy:
+    """A TCP front for a PostgreSQL server that a test can cut, to make the database unreachable."""
+
+    def __init__(self, target_url: str) -> None:
+        params = conninfo_to_dict(target_url)
+        host = str(params.get("host") or "localhost")
+        self.target_port = int(params.get("port") or 5432)
+        self.target_host = host
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def _open_target(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.target_host.startswith("/"):
+            return await asyncio.open_unix_connection(f"{self.target_host}/.s.PGSQL.{self.target_port}")
+        return await asyncio.open_connection(self.target_host, self.target_port)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+    async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await self._open_target()
+        self._writers.update((client_writer, server_writer))
+        await asyncio.gather(
+            self._pipe(client_reader, server_writer), self._pipe(server_reader, client_writer)
+        )
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def url(self, database_url: str) -> str:
+        return make_conninfo(database_url, host="127.0.0.1", port=str(self.port))
+
+    async def cut(self) -> None:
+        """Refuse new connections and reset every open one, as a dead database host would."""
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.transport.abort()
+        self._writers.clear()
+        await self._server.wait_closed()

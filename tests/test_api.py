@@ -1,0 +1,417 @@
+"""Every status code of the HTTP contract, driven in-process against a real database."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from service.app import create_app
+from service.settings import Settings
+from tests.support import TcpProxy
+
+pytestmark = pytest.mark.anyio
+Conn = psycopg.Connection[Any]
+PROBLEM = "application/problem+json"
+
+
+def lock_body(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "organization_id": "acme",
+        "job_type": "nightly-report",
+        "holder": "w1",
+        "ttl_seconds": 30,
+    }
+    body.update(overrides)
+    return {key: value for key, value in body.items() if value is not None}
+
+
+async def acquire(client: httpx.AsyncClient, **overrides: Any) -> dict[str, Any]:
+    response = await client.post("/v1/locks", json=lock_body(**overrides))
+    assert response.status_code == 201, response.text
+    grant: dict[str, Any] = response.json()
+    return grant
+
+
+def expire(conn: Conn, lock_id: int) -> None:
+    conn.execute(
+        "UPDATE helix_job_locks SET acquired_at = acquired_at - interval '1 hour',"
+        " expires_at = clock_timestamp() - interval '1 millisecond' WHERE id = %s",
+        (lock_id,),
+    )
+
+
+def assert_problem(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == PROBLEM
+    problem: dict[str, Any] = response.json()
+    assert problem["status"] == status
+    assert {"type", "title", "detail"} <= problem.keys()
+    assert "Traceback" not in response.text and "SELECT" not in response.text
+    return problem
+
+
+# --- acquire -----------------------------------------------------------------------------------
+
+
+async def test_acquire_grants_201_with_location_token_and_database_times(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/locks", json=lock_body(metadata={"run": 7, "tags": ["a"]}))
+    assert response.status_code == 201
+    grant = response.json()
+    assert response.headers["location"] == f"/v1/locks/{grant['id']}"
+    assert grant["state"] == "held" and grant["reclaimed"] is None and grant["fencing_token"] == 1
+    assert grant["metadata"] == {"run": 7, "tags": ["a"]}
+    assert grant["acquired_at"].endswith("Z") and grant["expires_at"].endswith("Z")
+    assert 29_000 < grant["ttl_remaining_ms"] <= 30_000
+    assert len(grant["token"]) >= 32
+    shown = (await client.get(response.headers["location"])).json()
+    assert "token" not in shown and shown["id"] == grant["id"]
+
+
+async def test_acquire_409_names_the_holder_with_retry_after(client: httpx.AsyncClient) -> None:
+    first = await acquire(client, holder="worker-7@host-3", ttl_seconds=90)
+    response = await client.post("/v1/locks", json=lock_body(holder="w2"))
+    problem = assert_problem(response, 409)
+    assert problem["lock_id"] == first["id"]
+    assert problem["holder"] == "worker-7@host-3"
+    assert problem["expires_at"] == first["expires_at"]
+    assert 89 <= int(response.headers["retry-after"]) <= 90
+
+
+async def test_acquire_reclaims_an_expired_lock(client: httpx.AsyncClient, conn: Conn) -> None:
+    stale = await acquire(client, holder="crashed")
+    expire(conn, stale["id"])
+    fresh = await acquire(client, holder="next")
+    assert fresh["fencing_token"] == stale["fencing_token"] + 1
+    assert fresh["reclaimed"]["lock_id"] == stale["id"]
+    assert fresh["reclaimed"]["holder"] == "crashed"
+    old = (await client.get(f"/v1/locks/{stale['id']}")).json()
+    assert old["state"] == "reclaimed" and old["release_reason"] == "reclaimed"
+    assert old["released_at"] == fresh["acquired_at"]
+    assert fresh["reclaimed"]["expired_at"] == old["expires_at"]
+
+
+async def test_fractional_ttl_is_kept_to_the_millisecond(client: httpx.AsyncClient) -> None:
+    grant = await acquire(client, ttl_seconds=1.2345)
+    lock = (await client.get(f"/v1/locks/{grant['id']}")).json()
+    span = datetime.fromisoformat(lock["expires_at"]) - datetime.fromisoformat(lock["acquired_at"])
+    assert span.total_seconds() == 1.235 or span.total_seconds() == 1.234
+
+
+INVALID_BODIES: list[tuple[dict[str, Any], str]] = [
+    (lock_body(organization_id="-leading-dash"), "organization_id"),
+    (lock_body(organization_id="a" * 129), "organization_id"),
+    (lock_body(organization_id="has space"), "organization_id"),
+    (lock_body(organization_id="nul\x00"), "organization_id"),
+    (lock_body(organization_id=""), "organization_id"),
+    (lock_body(organization_id=42), "organization_id"),
+    (lock_body(job_type="ünïcode"), "job_type"),
+    (lock_body(job_type="trailing-newline\n"), "job_type"),
+    (lock_body(holder=""), "holder"),
+    (lock_body(holder="h" * 257), "holder"),
+    (lock_body(holder="nul\x00byte"), "holder"),
+    (lock_body(holder="\ud800"), "holder"),
+    (lock_body(ttl_seconds=0.5), "ttl_seconds"),
+    (lock_body(ttl_seconds=86400.5), "ttl_seconds"),
+    (lock_body(ttl_seconds="30"), "ttl_seconds"),
+    (lock_body(ttl_seconds=True), "ttl_seconds"),
+    (lock_body(metadata=[1, 2]), "metadata"),
+    (lock_body(metadata={"big": "x" * 9000}), "metadata"),
+    (lock_body(metadata={"nul": "\x00"}), "metadata"),
+    (lock_body(metadata={"\x00": 1}), "metadata"),
+    (lock_body(wait_for_it=1), "wait_for_it"),
+    ({"organization_id": "acme"}, "job_type"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), INVALID_BODIES)
+async def test_acquire_invalid_field_is_422_naming_it(
+    client: httpx.AsyncClient, body: dict[str, Any], field: str
+) -> None:
+    # json.dumps escapes what httpx would refuse to encode (a lone surrogate), as a raw client can.
+    raw = json.dumps(body).encode()
+    response = await client.post("/v1/locks", content=raw, headers={"content-type": "application/json"})
+    problem = assert_problem(response, 422)
+    assert field in [error["field"] for error in problem["errors"]]
+    assert all(error["message"] for error in problem["errors"])
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"{not json", b"", b"[]", b'{"organization_id": "acme", "ttl_seconds": NaN}', b"\xff\xfe", b"[" * 20000],
+)
+async def test_malformed_json_is_422(client: httpx.AsyncClient, raw: bytes) -> None:
+    response = await client.post("/v1/locks", content=raw, headers={"content-type": "application/json"})
+    problem = assert_problem(response, 422)
+    assert problem["errors"]
+
+
+async def test_body_without_content_type_is_read_as_json(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/locks", content=json.dumps(lock_body()).encode())
+    assert response.status_code == 201
+
+
+async def test_body_of_another_media_type_is_415(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/locks", data={"organization_id": "acme"})
+    assert_problem(response, 415)
+
+
+async def test_body_over_64_kib_is_413(client: httpx.AsyncClient) -> None:
+    huge = lock_body(metadata={"x": "y" * 70_000})
+    assert_problem(await client.post("/v1/locks", json=huge), 413)
+
+    async def chunks() -> Any:
+        for _ in range(70):
+            yield b" " * 1024
+
+    streamed = await client.post("/v1/locks", content=chunks(), headers={"content-type": "application/json"})
+    assert_problem(streamed, 413)
+
+
+async def test_text_is_stored_and_returned_literally(client: httpx.AsyncClient) -> None:
+    nasty = '\'); DROP TABLE helix_job_locks; -- "quoted" \\ back % %s {}'
+    grant = await acquire(client, holder=nasty, metadata={nasty: nasty})
+    lock = (await client.get(f"/v1/locks/{grant['id']}")).json()
+    assert lock["holder"] == nasty and lock["metadata"] == {nasty: nasty}
+
+
+# --- release -----------------------------------------------------------------------------------
+
+
+async def test_release_204_then_410_saying_released(client: httpx.AsyncClient) -> None:
+    grant = await acquire(client)
+    url = f"/v1/locks/{grant['id']}"
+    response = await client.delete(url, headers={"Lock-Token": grant["token"]})
+    assert response.status_code == 204 and response.content == b""
+    again = assert_problem(await client.delete(url, headers={"Lock-Token": grant["token"]}), 410)
+    assert again["release_reason"] == "released" and again["lock_id"] == grant["id"]
+    assert again["released_at"].endswith("Z")
+    lock = (await client.get(url)).json()
+    assert lock["state"] == "released" and lock["released_at"] == again["released_at"]
+
+
+async def test_release_of_a_lapsed_unreclaimed_lease_is_204(client: httpx.AsyncClient, conn: Conn) -> None:
+    grant = await acquire(client)
+    expire(conn, grant["id"])
+    assert (await client.get(f"/v1/locks/{grant['id']}")).json()["state"] == "expired"
+    response = await client.delete(f"/v1/locks/{grant['id']}", headers={"Lock-Token": grant["token"]})
+    assert response.status_code == 204
+
+
+async def test_release_after_reclaim_is_410_saying_reclaimed(client: httpx.AsyncClient, conn: Conn) -> None:
+    grant = await acquire(client)
+    expire(conn, grant["id"])
+    await acquire(client, holder="successor")
+    response = await client.delete(f"/v1/locks/{grant['id']}", headers={"Lock-Token": grant["token"]})
+    assert assert_problem(response, 410)["release_reason"] == "reclaimed"
+
+
+async def test_release_with_wrong_token_is_403_whatever_the_state(client: httpx.AsyncClient) -> None:
+    grant = await acquire(client)
+    url = f"/v1/locks/{grant['id']}"
+    assert_problem(await client.delete(url, headers={"Lock-Token": "wrong"}), 403)
+    await client.delete(url, headers={"Lock-Token": grant["token"]})
+    assert_problem(await client.delete(url, headers={"Lock-Token": "wrong"}), 403)
+
+
+@pytest.mark.parametrize("lock_id", ["999999", "abc", "0", "-1", "99999999999999999999", "١٢"])
+async def test_unknown_lock_is_404(client: httpx.AsyncClient, lock_id: str) -> None:
+    headers = {"Lock-Token": "t"}
+    assert_problem(await client.delete(f"/v1/locks/{lock_id}", headers=headers), 404)
+    assert_problem(await client.get(f"/v1/locks/{lock_id}"), 404)
+    renew = await client.post(f"/v1/locks/{lock_id}/renew", headers=headers, json={"ttl_seconds": 5})
+    assert_problem(renew, 404)
+
+
+async def test_missing_lock_token_is_422(client: httpx.AsyncClient) -> None:
+    grant = await acquire(client)
+    problem = assert_problem(await client.delete(f"/v1/locks/{grant['id']}"), 422)
+    assert problem["errors"][0]["field"] == "Lock-Token"
+    renew = await client.post(f"/v1/locks/{grant['id']}/renew", json={"ttl_seconds": 5})
+    assert "Lock-Token" in [e["field"] for e in assert_problem(renew, 422)["errors"]]
+
+
+# --- renew -------------------------------------------------------------------------------------
+
+
+async def test_renew_200_extends_from_database_now(client: httpx.AsyncClient) -> None:
+    grant = await acquire(client, ttl_seconds=5)
+    response = await client.post(
+        f"/v1/locks/{grant['id']}/renew", headers={"Lock-Token": grant["token"]}, json={"ttl_seconds": 120}
+    )
+    assert response.status_code == 200
+    renewed = response.json()
+    assert renewed["lapsed"] is False and renewed["state"] == "held"
+    assert renewed["expires_at"] > grant["expires_at"]
+    assert 119_000 < renewed["ttl_remaining_ms"] <= 120_000
+    assert "token" not in renewed
+
+
+async def test_renew_of_lapsed_lease_says_lapsed(client: httpx.AsyncClient, conn: Conn) -> None:
+    grant = await acquire(client)
+    expire(conn, grant["id"])
+    response = await client.post(
+        f"/v1/locks/{grant['id']}/renew", headers={"Lock-Token": grant["token"]}, json={"ttl_seconds": 30}
+    )
+    assert response.status_code == 200
+    assert response.json()["lapsed"] is True and response.json()["state"] == "held"
+
+
+async def test_renew_403_410_and_422(client: httpx.AsyncClient, conn: Conn) -> None:
+    grant = await acquire(client)
+    url = f"/v1/locks/{grant['id']}/renew"
+    good = {"Lock-Token": grant["token"]}
+    assert_problem(await client.post(url, headers={"Lock-Token": "x"}, json={"ttl_seconds": 30}), 403)
+    invalid = assert_problem(await client.post(url, headers=good, json={"ttl_seconds": 0}), 422)
+    assert invalid["errors"][0]["field"] == "ttl_seconds"
+    assert_problem(await client.post(url, headers=good, json={}), 422)
+    expire(conn, grant["id"])
+    await acquire(client, holder="successor")
+    gone = assert_problem(await client.post(url, headers=good, json={"ttl_seconds": 30}), 410)
+    assert gone["release_reason"] == "reclaimed"
+
+
+# --- inspect -----------------------------------------------------------------------------------
+
+
+async def test_get_shows_every_state(client: httpx.AsyncClient, conn: Conn) -> None:
+    held = await acquire(client, job_type="a")
+    assert (await client.get(f"/v1/locks/{held['id']}")).json()["state"] == "held"
+    expire(conn, held["id"])
+    expired = (await client.get(f"/v1/locks/{held['id']}")).json()
+    assert expired["state"] == "expired" and expired["ttl_remaining_ms"] == 0
+    await acquire(client, job_type="a")
+    assert (await client.get(f"/v1/locks/{held['id']}")).json()["state"] == "reclaimed"
+
+
+async def test_current_is_the_held_lock_or_404(client: httpx.AsyncClient, conn: Conn) -> None:
+    params = {"organization_id": "acme", "job_type": "nightly-report"}
+    assert_problem(await client.get("/v1/locks/current", params=params), 404)
+    grant = await acquire(client)
+    current = (await client.get("/v1/locks/current", params=params)).json()
+    assert current["id"] == grant["id"] and current["fencing_token"] == grant["fencing_token"]
+    expire(conn, grant["id"])
+    assert_problem(await client.get("/v1/locks/current", params=params), 404)
+    assert_problem(await client.get("/v1/locks/current", params={"organization_id": "acme"}), 422)
+    assert_problem(await client.get("/v1/locks/current", params={**params, "job_type": "bad type"}), 422)
+
+
+async def test_list_filters_by_state_and_pages_with_a_cursor(client: httpx.AsyncClient, conn: Conn) -> None:
+    grants = [await acquire(client, job_type=f"job-{n:02d}") for n in range(7)]
+    expire(conn, grants[0]["id"])
+    expire(conn, grants[1]["id"])
+    for grant in grants[2:4]:
+        await client.delete(f"/v1/locks/{grant['id']}", headers={"Lock-Token": grant["token"]})
+    await acquire(client, job_type="job-00")  # reclaims grants[0]
+
+    async def all_pages(**params: Any) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        cursor = None
+        while True:
+            query = {**params, "limit": 2, **({"cursor": cursor} if cursor else {})}
+            response = await client.get("/v1/locks", params=query)
+            assert response.status_code == 200, response.text
+            page = response.json()
+            assert len(page["items"]) <= 2
+            items += page["items"]
+            cursor = page["next_cursor"]
+            if cursor is None:
+                return items
+
+    live = await all_pages()
+    assert [lock["job_type"] for lock in live] == ["job-00", "job-01", "job-04", "job-05", "job-06"]
+    assert all("token" not in lock for lock in live)
+    assert [lock["job_type"] for lock in await all_pages(state="expired")] == ["job-01"]
+    assert len(await all_pages(state="held")) == 4
+    released = await all_pages(state="released")
+    assert [lock["id"] for lock in released] == [grants[3]["id"], grants[2]["id"]]  # newest first
+    assert [lock["id"] for lock in await all_pages(state="reclaimed")] == [grants[0]["id"]]
+    assert [lock["job_type"] for lock in await all_pages(job_type="job-05")] == ["job-05"]
+    assert await all_pages(organization_id="other") == []
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"limit": 0},
+        {"limit": 501},
+        {"limit": "many"},
+        {"state": "alive"},
+        {"cursor": "garbage!"},
+        {"cursor": "eyJzIjpudWxsLCJrIjpbMSwyXX0"},  # {"s":null,"k":[1,2]}: not a key of ours
+        {"organization_id": "no spaces"},
+    ],
+)
+async def test_list_rejects_bad_parameters_with_422(
+    client: httpx.AsyncClient, params: dict[str, Any]
+) -> None:
+    problem = assert_problem(await client.get("/v1/locks", params=params), 422)
+    assert problem["errors"][0]["field"] == next(iter(params))
+
+
+async def test_a_cursor_only_fits_its_own_listing(client: httpx.AsyncClient) -> None:
+    for n in range(3):
+        await acquire(client, job_type=f"j{n}")
+    cursor = (await client.get("/v1/locks", params={"limit": 1})).json()["next_cursor"]
+    assert cursor
+    assert (await client.get("/v1/locks", params={"limit": 1, "cursor": cursor})).status_code == 200
+    other = await client.get("/v1/locks", params={"cursor": cursor, "state": "released"})
+    assert_problem(other, 422)
+
+
+# --- service endpoints and failures ------------------------------------------------------------
+
+
+async def test_health_ready_openapi_and_docs(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/healthz")).json() == {"status": "ok"}
+    assert (await client.get("/readyz")).json() == {"status": "ready"}
+    spec = (await client.get("/openapi.json")).json()
+    assert {"/v1/locks", "/v1/locks/{lock_id}", "/v1/locks/{lock_id}/renew", "/v1/locks/current"} <= set(
+        spec["paths"]
+    )
+    assert (await client.get("/docs")).status_code == 200
+
+
+async def test_unknown_route_and_method_are_problems(client: httpx.AsyncClient) -> None:
+    assert_problem(await client.get("/v2/nothing"), 404)
+    assert_problem(await client.put("/v1/locks"), 405)
+
+
+async def test_readyz_is_503_until_migrated(empty_db_url: str) -> None:
+    app = create_app(Settings(database_url=empty_db_url))
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://t") as c,
+    ):
+        problem = assert_problem(await c.get("/readyz"), 503)
+        assert "0001_job_locks.sql" in problem["detail"]
+
+
+async def test_database_unreachable_is_503_with_retry_after_quickly(db_url: str) -> None:
+    proxy = TcpProxy(db_url)
+    await proxy.start()
+    app = create_app(Settings(database_url=proxy.url(db_url), pool_timeout_seconds=1.0))
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://t") as c,
+    ):
+        grant = await acquire(c)
+        await proxy.cut()
+        for request in (
+            c.post("/v1/locks", json=lock_body(job_type="other")),
+            c.get(f"/v1/locks/{grant['id']}"),
+            c.get("/readyz"),
+        ):
+            started = time.monotonic()
+            response = await request
+            assert time.monotonic() - started < 5, "a dead database must not make requests hang"
+            assert_problem(response, 503)
+            assert int(response.headers["retry-after"]) >= 1
+        assert (await c.get("/healthz")).status_code == 200

@@ -1,0 +1,254 @@
+"""The lock functions in SQL, on real connections: grant, conflict, reclaim, races, fencing."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import errors
+from psycopg.rows import dict_row
+
+Conn = psycopg.Connection[Any]
+
+ACQUIRE = "SELECT * FROM helix_acquire_job_lock(%s, %s, %s, %s, %s)"
+
+
+def acquire(
+    conn: Conn, holder: str = "w1", ttl_ms: int = 30_000, key: tuple[str, str] = ("org", "job")
+) -> dict[str, Any]:
+    cur = conn.cursor(row_factory=dict_row)
+    rows = cur.execute(ACQUIRE, (*key, holder, ttl_ms, None)).fetchall()
+    assert len(rows) == 1
+    return rows[0]
+
+
+def expire(conn: Conn, lock_id: int) -> None:
+    """Move a lease into the past on the database clock (no sleeping)."""
+    conn.execute(
+        "UPDATE helix_job_locks SET acquired_at = acquired_at - interval '1 hour',"
+        " expires_at = clock_timestamp() - interval '1 millisecond' WHERE id = %s",
+        (lock_id,),
+    )
+
+
+def row(conn: Conn, lock_id: int) -> dict[str, Any]:
+    found = conn.cursor(row_factory=dict_row).execute(
+        "SELECT * FROM helix_job_locks WHERE id = %s", (lock_id,)
+    )
+    result = found.fetchone()
+    assert result is not None
+    return result
+
+
+def backend_waiting_on_lock(conn: Conn, pid: int) -> bool:
+    waiting = conn.execute(
+        "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", (pid,)
+    ).fetchone()
+    return bool(waiting and waiting[0])
+
+
+def wait_until_blocked(observer: Conn, pid: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not backend_waiting_on_lock(observer, pid):
+        assert time.monotonic() < deadline, "the competing acquire never waited on the lock"
+        time.sleep(0.01)
+
+
+def test_grant_returns_one_row_with_database_times(conn: Conn) -> None:
+    lock = acquire(conn, ttl_ms=1500)
+    assert lock["state"] == "held"
+    assert lock["fencing_token"] == 1
+    assert len(lock["token"]) == 32
+    assert (lock["expires_at"] - lock["acquired_at"]).total_seconds() == 1.5
+    assert 0 < lock["ttl_remaining_ms"] <= 1500
+    assert lock["reclaimed_lock_id"] is None
+    stored = row(conn, lock["id"])
+    assert stored["token"] == lock["token"] and stored["released_at"] is None
+
+
+def test_live_lock_conflict_raises_23505_naming_the_holder(conn: Conn) -> None:
+    first = acquire(conn, holder="worker-1")
+    with pytest.raises(errors.UniqueViolation) as raised:
+        acquire(conn, holder="worker-2")
+    assert raised.value.sqlstate == "23505"
+    detail = json.loads(raised.value.diag.message_detail or "")
+    assert detail["lock_id"] == first["id"]
+    assert detail["holder"] == "worker-1"
+    assert detail["retry_after_seconds"] == 30
+    count = conn.execute("SELECT count(*) FROM helix_job_locks").fetchone()
+    assert count == (1,)
+    # The failed call's fencing increment was rolled back with it.
+    counter = conn.execute("SELECT last_fencing_token FROM helix_lock_keys").fetchone()
+    assert counter == (1,)
+
+
+def test_expired_lock_is_reclaimed_in_the_same_call(conn: Conn) -> None:
+    stale = acquire(conn, holder="crashed")
+    expire(conn, stale["id"])
+    fresh = acquire(conn, holder="next")
+    assert fresh["reclaimed_lock_id"] == stale["id"]
+    assert fresh["reclaimed_holder"] == "crashed"
+    old = row(conn, stale["id"])
+    assert fresh["reclaimed_expired_at"] == old["expires_at"]
+    assert old["release_reason"] == "reclaimed"
+    assert old["released_at"] == fresh["acquired_at"]
+    assert old["expires_at"] < fresh["acquired_at"]
+    assert fresh["fencing_token"] == stale["fencing_token"] + 1
+
+
+def test_other_keys_do_not_conflict(conn: Conn) -> None:
+    acquire(conn, key=("org", "job"))
+    other_job = acquire(conn, key=("org", "other"))
+    other_org = acquire(conn, key=("org2", "job"))
+    assert other_job["fencing_token"] == other_org["fencing_token"] == 1
+
+
+@pytest.mark.parametrize("first_outcome", ["commit", "rollback"])
+def test_race_at_expiry_has_exactly_one_winner(db_url: str, conn: Conn, first_outcome: str) -> None:
+    """Two connections reclaim one expired lock at once; the second waits for the first."""
+    stale = acquire(conn, holder="crashed")
+    expire(conn, stale["id"])
+    with psycopg.connect(db_url) as first, psycopg.connect(db_url, autocommit=True) as second:
+        winner = acquire(first, holder="first")  # transaction left open, key row locked
+        assert winner["reclaimed_lock_id"] == stale["id"]
+        outcome: dict[str, Any] = {}
+
+        def compete() -> None:
+            try:
+                outcome["row"] = acquire(second, holder="second")
+            except psycopg.Error as exc:
+                outcome["error"] = exc
+
+        racer = threading.Thread(target=compete)
+        racer.start()
+        wait_until_blocked(conn, second.info.backend_pid)
+        assert not outcome, "the second acquire must wait while the first is uncommitted"
+        if first_outcome == "commit":
+            first.commit()
+        else:
+            first.rollback()
+        racer.join(timeout=10)
+        assert not racer.is_alive()
+
+    live = conn.execute(
+        "SELECT holder, fencing_token FROM helix_job_locks WHERE released_at IS NULL"
+    ).fetchall()
+    if first_outcome == "commit":
+        assert isinstance(outcome.get("error"), errors.UniqueViolation)
+        assert live == [("first", 2)]
+    else:
+        assert outcome["row"]["reclaimed_lock_id"] == stale["id"]
+        assert live == [("second", 2)]
+    assert conn.execute("SELECT count(*) FROM helix_job_locks").fetchone() == (2,)
+
+
+def test_grant_after_a_waited_release_starts_after_it(db_url: str, conn: Conn) -> None:
+    """A grant that waited on a release in flight is stamped after the release's end."""
+    held = acquire(conn, holder="holder")
+    with psycopg.connect(db_url) as releaser, psycopg.connect(db_url, autocommit=True) as acquirer:
+        releaser.execute("SELECT * FROM helix_release_job_lock(%s, %s)", (held["id"], held["token"]))
+        outcome: dict[str, Any] = {}
+        racer = threading.Thread(target=lambda: outcome.update(row=acquire(acquirer, holder="next")))
+        racer.start()
+        wait_until_blocked(conn, acquirer.info.backend_pid)
+        releaser.commit()
+        racer.join(timeout=10)
+    released = row(conn, held["id"])
+    assert outcome["row"]["acquired_at"] >= released["released_at"]
+    assert outcome["row"]["fencing_token"] == 2
+
+
+def test_fencing_tokens_increase_and_survive_pruned_history(conn: Conn) -> None:
+    tokens = []
+    for _ in range(3):
+        lock = acquire(conn)
+        tokens.append(lock["fencing_token"])
+        conn.execute("SELECT helix_release_job_lock(%s, %s)", (lock["id"], lock["token"]))
+    stale = acquire(conn)
+    tokens.append(stale["fencing_token"])
+    expire(conn, stale["id"])
+    tokens.append(acquire(conn)["fencing_token"])
+    conn.execute("DELETE FROM helix_job_locks")  # retention pruning everything
+    tokens.append(acquire(conn)["fencing_token"])
+    assert tokens == [1, 2, 3, 4, 5, 6]
+
+
+def test_unique_index_forbids_two_live_locks_whatever_the_code(conn: Conn) -> None:
+    acquire(conn)
+    with pytest.raises(errors.UniqueViolation):
+        conn.execute(
+            "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, fencing_token,"
+            " acquired_at, expires_at) VALUES ('org', 'job', 'rogue', 't', 99, now(), now() + interval '1 s')"
+        )
+
+
+def test_release_and_renew_report_their_failures_as_sqlstates(conn: Conn) -> None:
+    lock = acquire(conn)
+    cases = [
+        ((lock["id"] + 1000, lock["token"]), "HL001"),
+        ((lock["id"], "not-the-token"), "HL002"),
+    ]
+    for (lock_id, token), code in cases:
+        for call in (
+            "SELECT * FROM helix_release_job_lock(%s, %s)",
+            "SELECT * FROM helix_renew_job_lock(%s, %s, 1000)",
+        ):
+            with pytest.raises(psycopg.Error) as raised:
+                conn.execute(call, (lock_id, token))
+            assert raised.value.sqlstate == code
+    conn.execute("SELECT helix_release_job_lock(%s, %s)", (lock["id"], lock["token"]))
+    with pytest.raises(psycopg.Error) as ended:
+        conn.execute("SELECT * FROM helix_release_job_lock(%s, %s)", (lock["id"], lock["token"]))
+    assert ended.value.sqlstate == "HL003"
+    assert json.loads(ended.value.diag.message_detail or "")["release_reason"] == "released"
+    # A wrong token is 403 material whatever the state: it is checked before the state.
+    with pytest.raises(psycopg.Error) as wrong:
+        conn.execute("SELECT * FROM helix_release_job_lock(%s, %s)", (lock["id"], "nope"))
+    assert wrong.value.sqlstate == "HL002"
+
+
+def test_renew_extends_from_database_now_and_reports_a_lapse(conn: Conn) -> None:
+    lock = acquire(conn, ttl_ms=1000)
+    cur = conn.cursor(row_factory=dict_row)
+    renewed = cur.execute(
+        "SELECT * FROM helix_renew_job_lock(%s, %s, 60000)", (lock["id"], lock["token"])
+    ).fetchone()
+    assert renewed is not None and renewed["lapsed"] is False
+    assert 59_000 < renewed["ttl_remaining_ms"] <= 60_000
+    expire(conn, lock["id"])
+    lapsed = cur.execute(
+        "SELECT * FROM helix_renew_job_lock(%s, %s, 60000)", (lock["id"], lock["token"])
+    ).fetchone()
+    assert lapsed is not None and lapsed["lapsed"] is True and lapsed["state"] == "held"
+    expire(conn, lock["id"])
+    acquire(conn, holder="next")  # reclaims it
+    with pytest.raises(psycopg.Error) as gone:
+        conn.execute("SELECT * FROM helix_renew_job_lock(%s, %s, 60000)", (lock["id"], lock["token"]))
+    assert gone.value.sqlstate == "HL003"
+    assert json.loads(gone.value.diag.message_detail or "")["release_reason"] == "reclaimed"
+
+
+@pytest.mark.parametrize("ttl_ms", [999, 86_400_001, -5, None])
+def test_ttl_out_of_range_is_invalid_parameter(conn: Conn, ttl_ms: int | None) -> None:
+    with pytest.raises(errors.InvalidParameterValue):
+        acquire(conn, ttl_ms=ttl_ms)  # type: ignore[arg-type]
+
+
+def test_fencing_token_is_current_only_while_held(conn: Conn) -> None:
+    def current(token: int) -> bool:
+        answer = conn.execute("SELECT helix_fencing_token_is_current('org', 'job', %s)", (token,)).fetchone()
+        assert answer is not None
+        return bool(answer[0])
+
+    lock = acquire(conn)
+    assert current(1) and not current(2) and not current(0)
+    expire(conn, lock["id"])
+    assert not current(1), "a lapsed lease is not current"
+    successor = acquire(conn)
+    assert current(2) and not current(1)
+    conn.execute("SELECT helix_release_job_lock(%s, %s)", (successor["id"], successor["token"]))
+    assert not current(2)
