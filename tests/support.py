@@ -51,14 +51,18 @@ def wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout: float =
 
 @contextmanager
 def running_service(
-    *args: str, env: Mapping[str, str], log: Path, timeout: float = 60
+    *args: str, env: Mapping[str, str | None], log: Path, timeout: float = 60
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """`helix-locks serve ARGS` on a free port, ready; SIGTERMed (then killed) on exit."""
+    """`helix-locks serve ARGS` on a free port, ready; SIGTERMed (then killed) on exit.
+
+    `env` is laid over this process's environment; a None value removes the variable.
+    """
     port = free_port()
+    environment = {key: value for key, value in {**os.environ, **env}.items() if value is not None}
     with log.open("wb") as out:
         process = subprocess.Popen(
             helix_command("serve", "--port", str(port), *args),
-            env={**os.environ, **env},
+            env=environment,
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,

