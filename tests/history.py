@@ -76,15 +76,15 @@ def check(grants: list[Grant], told: list[Told], renewed: list[Renewed]) -> list
             )
     stored = {grant.lock_id: grant for grant in grants}
     for answer in told:
-        grant = stored.get(answer.lock_id)
-        if grant is None:
+        kept = stored.get(answer.lock_id)
+        if kept is None:
             violations.append(f"lock {answer.lock_id}: a client was granted it but the database lost it")
-        elif (grant.key, grant.fencing_token, grant.acquired_at) != (
+        elif (kept.key, kept.fencing_token, kept.acquired_at) != (
             answer.key,
             answer.fencing_token,
             answer.acquired_at,
         ):
             violations.append(
-                f"lock {answer.lock_id}: the client was told {answer}, the database has {grant}"
+                f"lock {answer.lock_id}: the client was told {answer}, the database has {kept}"
             )
     return violations
