@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+import psycopg
+
 from service import embedded, migrate
 
 logger = logging.getLogger("helix_locks")
@@ -106,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.handler(args)
     except migrate.MigrationError as exc:
         print(f"helix-locks: {exc}", file=sys.stderr)
+        return 1
+    except psycopg.OperationalError as exc:
+        print(f"helix-locks: cannot reach the database: {exc}", file=sys.stderr)
         return 1
     return code
 
