@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -40,9 +41,11 @@ def migrations_dir() -> Path:
     raise MigrationError(f"no migrations directory beside {here}")
 
 
-def load() -> list[Migration]:
+@functools.cache
+def load() -> tuple[Migration, ...]:
+    """This build's migrations in order (read once: /readyz asks on every probe)."""
     files = sorted(p for p in migrations_dir().iterdir() if _NAME.match(p.name))
-    return [Migration(p.name, p.read_bytes()) for p in files]
+    return tuple(Migration(p.name, p.read_bytes()) for p in files)
 
 
 def _check(migration: Migration, applied: dict[str, str]) -> bool:

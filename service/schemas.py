@@ -128,14 +128,8 @@ class GrantBody(LockBody):
 
     @classmethod
     def of_grant(cls, grant: Grant) -> GrantBody:
-        reclaimed = grant.reclaimed
-        return cls(
-            **LockBody.of(grant.lock).model_dump(),
-            token=grant.token,
-            reclaimed=None
-            if reclaimed is None
-            else ReclaimedBody.model_validate(reclaimed, from_attributes=True),
-        )
+        fields = {**vars(grant.lock), "token": grant.token, "reclaimed": grant.reclaimed}
+        return cls.model_validate(fields, from_attributes=True)
 
 
 class RenewalBody(LockBody):
@@ -143,7 +137,7 @@ class RenewalBody(LockBody):
 
     @classmethod
     def of_renewal(cls, renewal: Renewal) -> RenewalBody:
-        return cls(**LockBody.of(renewal.lock).model_dump(), lapsed=renewal.lapsed)
+        return cls.model_validate({**vars(renewal.lock), "lapsed": renewal.lapsed})
 
 
 class PageBody(BaseModel):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import AliasChoices, Field
+from typing import Self
+
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -22,3 +24,9 @@ class Settings(BaseSettings):
     pool_open_timeout_seconds: float = Field(default=30.0, gt=0)
     # A statement that runs longer is cancelled and answered with 503: nothing hangs.
     statement_timeout_ms: int = Field(default=5000, ge=100)
+
+    @model_validator(mode="after")
+    def _pool_sizes(self) -> Self:
+        if self.pool_max_size < self.pool_min_size:
+            raise ValueError("pool_max_size must be at least pool_min_size")
+        return self

@@ -84,7 +84,5 @@ def check(grants: list[Grant], told: list[Told], renewed: list[Renewed]) -> list
             answer.fencing_token,
             answer.acquired_at,
         ):
-            violations.append(
-                f"lock {answer.lock_id}: the client was told {answer}, the database has {kept}"
-            )
+            violations.append(f"lock {answer.lock_id}: the client was told {answer}, the database has {kept}")
     return violations

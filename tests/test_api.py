@@ -247,7 +247,7 @@ async def test_renew_200_extends_from_database_now(client: httpx.AsyncClient) ->
     assert response.status_code == 200
     renewed = response.json()
     assert renewed["lapsed"] is False and renewed["state"] == "held"
-    assert renewed["expires_at"] > grant["expires_at"]
+    assert datetime.fromisoformat(renewed["expires_at"]) > datetime.fromisoformat(grant["expires_at"])
     assert 119_000 < renewed["ttl_remaining_ms"] <= 120_000
     assert "token" not in renewed
 

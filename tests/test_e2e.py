@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -58,7 +59,7 @@ def test_lock_of_a_killed_worker_is_refused_until_expiry_then_reclaimed(tmp_path
             "holder": "doomed-worker",
             "expired_at": grant["expires_at"],
         }
-        assert successor["acquired_at"] >= grant["expires_at"]
+        assert datetime.fromisoformat(successor["acquired_at"]) >= datetime.fromisoformat(grant["expires_at"])
         assert successor["fencing_token"] == grant["fencing_token"] + 1
 
         server.send_signal(signal.SIGINT)  # Ctrl-C
