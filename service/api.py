@@ -9,7 +9,6 @@ from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from service import migrate
 from service.errors import LockNotFound
 from service.locks import Locks, State
-from service.problems import problem
 from service.schemas import (
     AcquireRequest,
     GrantBody,
@@ -32,7 +31,10 @@ def get_locks(request: Request) -> Locks:
 
 def lock_id(lock_id: Annotated[str, Path(description="The id an acquire returned.")]) -> int:
     """Ids are opaque to clients: anything that is not one of ours is simply not found."""
-    if not (lock_id.isascii() and lock_id.isdigit()) or not 0 < int(lock_id) <= BIGINT_MAX:
+    if (
+        not (lock_id.isascii() and lock_id.isdigit() and len(lock_id) <= 19)
+        or not 0 < int(lock_id) <= BIGINT_MAX
+    ):
         raise LockNotFound()
     return int(lock_id)
 
@@ -113,18 +115,7 @@ async def healthz() -> dict[str, Literal["ok"]]:
 
 
 @health.get("/readyz", responses=_problems(503))
-async def readyz(locks: LocksDep) -> Response:
+async def readyz(locks: LocksDep) -> dict[str, Literal["ready"]]:
     """The database answers and every migration of this build is applied."""
-    try:
-        missing = await migrate.pending(locks.db)
-    except migrate.MigrationError as exc:
-        return problem(503, "not-migrated", "Not ready", str(exc), headers={"Retry-After": "5"})
-    if missing:
-        return problem(
-            503,
-            "not-migrated",
-            "Not ready",
-            f"Migrations not applied: {', '.join(missing)}.",
-            headers={"Retry-After": "5"},
-        )
-    return Response('{"status":"ready"}', media_type="application/json")
+    await migrate.check_ready(locks.db)
+    return {"status": "ready"}

@@ -132,7 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool = create_pool(settings)
         await pool.open(wait=True, timeout=settings.pool_open_timeout_seconds)
-        app.state.locks = Locks(Database(pool))
+        app.state.locks = Locks(Database(pool, settings.query_deadline_seconds))
         try:
             yield
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -68,6 +69,8 @@ SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "HL001": lambda exc: LockNotFound(),
     "HL002": lambda exc: TokenMismatch(),
     "HL003": _lock_ended,
+    # A primary that just became a standby (failover): it will not take writes, try again.
+    "25006": lambda exc: DatabaseUnavailable("read-only transaction"),
 }
 
 
@@ -85,6 +88,12 @@ async def translated() -> AsyncIterator[None]:
             # unknown SQLSTATE classes such as our HL here, hence the table first.)
             raise DatabaseUnavailable(type(exc).__name__) from exc
         raise
+
+
+def _discard_outcome(statement: asyncio.Future[Any]) -> None:
+    """Retrieve a late statement's error, if any: its caller already answered 503."""
+    if not statement.cancelled():
+        statement.exception()
 
 
 def create_pool(settings: Settings) -> Pool:
@@ -110,20 +119,44 @@ def create_pool(settings: Settings) -> Pool:
             # Prepare every statement on first use: one round trip per request after that.
             "prepare_threshold": 0,
             "application_name": "helix-locks",
+            # A server that stops answering (host gone, network cut) must not hold a
+            # connection forever: give up on connecting, and on unacknowledged data, in seconds.
+            "connect_timeout": 5,
+            "keepalives": 1,
+            "keepalives_idle": 10,
+            "keepalives_interval": 5,
+            "keepalives_count": 2,
+            "tcp_user_timeout": 10_000,
         },
     )
 
 
 class Database:
-    """Runs one statement on a pooled connection, with errors translated."""
+    """Runs one statement on a pooled connection, with errors translated and a deadline."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Pool, deadline_seconds: float) -> None:
         self.pool = pool
+        self.deadline_seconds = deadline_seconds
 
-    async def fetch_all(self, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:
+    async def _fetch_all(self, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:
         async with translated(), self.pool.connection() as conn:
             cursor = await conn.execute(query, params)
             return await cursor.fetchall()
+
+    async def fetch_all(self, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:
+        """All rows; DatabaseUnavailable once the deadline passes without an answer.
+
+        statement_timeout stops a slow statement only while the server still answers; the
+        deadline also covers a server gone silent. The statement is left to finish (or to fail,
+        when TCP gives up on the silent server) in the background: interrupting psycopg mid-query
+        would make it spend seconds trying to cancel the query on that same silent server.
+        """
+        statement = asyncio.ensure_future(self._fetch_all(query, params))
+        try:
+            return await asyncio.wait_for(asyncio.shield(statement), self.deadline_seconds)
+        except TimeoutError as exc:
+            statement.add_done_callback(_discard_outcome)
+            raise DatabaseUnavailable("no answer before the deadline") from exc
 
     async def fetch_optional(self, query: LiteralString, params: Mapping[str, Any]) -> DictRow | None:
         rows = await self.fetch_all(query, params)

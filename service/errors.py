@@ -54,5 +54,12 @@ class DatabaseUnavailable(LockError):
     reason: str
 
 
+@dataclass
+class SchemaNotReady(LockError):
+    """The database lacks migrations this build needs, or holds changed ones."""
+
+    reason: str
+
+
 class EmptyResult(LockError):
     """A function that must return a row returned none: a bug, never a success."""

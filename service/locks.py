@@ -93,7 +93,7 @@ def _decode_cursor(cursor: str, state: State | None, live: bool) -> list[Any]:
         if not live and isinstance(second, int) and not isinstance(second, bool) and 0 < second < 2**63:
             return [datetime.fromisoformat(first), second]
         raise ValueError("cursor key of the wrong shape")
-    except (ValueError, KeyError, TypeError, binascii.Error, UnicodeDecodeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError, binascii.Error) as exc:
         raise InvalidArgument("cursor", "not a cursor of this listing") from exc
 
 

@@ -12,6 +12,7 @@ import psycopg
 
 from service import queries
 from service.db import Database
+from service.errors import SchemaNotReady
 
 # pg_advisory_lock key held while migrating, so replicas starting together apply each file once.
 ADVISORY_LOCK_KEY = 0x48454C49584C4B  # "HELIXLK"
@@ -81,15 +82,21 @@ def migrate(conninfo: str) -> list[str]:
                     )
                 done.append(migration.name)
         finally:
-            conn.execute(queries.MIGRATION_UNLOCK, {"key": ADVISORY_LOCK_KEY})
+            if not conn.broken:  # a lost connection has dropped the lock with it
+                conn.execute(queries.MIGRATION_UNLOCK, {"key": ADVISORY_LOCK_KEY})
     return done
 
 
-async def pending(db: Database) -> list[str]:
-    """Migrations of this build not applied to the database (MigrationError if one changed)."""
+async def check_ready(db: Database) -> None:
+    """SchemaNotReady unless every migration of this build is applied, unchanged."""
     present = await db.fetch_first(queries.MIGRATIONS_TABLE_EXISTS, {})
     applied: dict[str, str] = {}
     if present["exists"]:
         rows = await db.fetch_all(queries.APPLIED_MIGRATIONS, {})
         applied = {row["name"]: row["checksum"] for row in rows}
-    return [m.name for m in load() if not _check(m, applied)]
+    try:
+        missing = [m.name for m in load() if not _check(m, applied)]
+    except MigrationError as exc:
+        raise SchemaNotReady(str(exc)) from exc
+    if missing:
+        raise SchemaNotReady(f"migrations not applied: {', '.join(missing)}")

@@ -16,6 +16,7 @@ from service.errors import (
     LockError,
     LockHeld,
     LockNotFound,
+    SchemaNotReady,
     TokenMismatch,
 )
 
@@ -109,6 +110,13 @@ PROBLEMS: Mapping[type[LockError], Callable[[Any], JSONResponse]] = {
     LockEnded: _ended,
     InvalidArgument: _invalid,
     DatabaseUnavailable: _unavailable,
+    SchemaNotReady: lambda exc: problem(
+        503,
+        "not-migrated",
+        "Not ready",
+        f"The database schema is not ready: {exc.reason}.",
+        headers={"Retry-After": "5"},
+    ),
     EmptyResult: lambda exc: internal(),
 }
 

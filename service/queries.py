@@ -2,31 +2,50 @@
 
 Schema and functions live in migrations/; these statements only call them or read the
 helix_job_lock_views view, whose state and ttl_remaining_ms come from the database clock.
+Columns are named, never `*`: statements are prepared, and a prepared `SELECT *` fails once a
+later migration adds a column ("cached plan must not change result type").
 """
 
-ACQUIRE = """
-SELECT * FROM helix_acquire_job_lock(
-    %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s
+# Per connection, once: times in UTC, and no statement runs long enough to look like a hang.
+CONFIGURE_SESSION = """
+SELECT set_config('TimeZone', 'UTC', false), set_config('statement_timeout', %(statement_timeout_ms)s, false)
+"""
+
+LOCK = """
+id, organization_id, job_type, holder, fencing_token, acquired_at, expires_at, released_at,
+release_reason, state, ttl_remaining_ms, metadata
+"""
+
+ACQUIRE = (
+    "SELECT "
+    + LOCK
+    + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at
+FROM helix_acquire_job_lock(%(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s)
+"""
 )
-"""
 
-RELEASE = "SELECT * FROM helix_release_job_lock(%(lock_id)s, %(token)s)"
+RELEASE = "SELECT " + LOCK + " FROM helix_release_job_lock(%(lock_id)s, %(token)s)"
 
-RENEW = "SELECT * FROM helix_renew_job_lock(%(lock_id)s, %(token)s, %(ttl_ms)s)"
+RENEW = "SELECT " + LOCK + ", lapsed FROM helix_renew_job_lock(%(lock_id)s, %(token)s, %(ttl_ms)s)"
 
-GET = "SELECT * FROM helix_job_lock_views WHERE id = %(lock_id)s"
+GET = "SELECT " + LOCK + " FROM helix_job_lock_views WHERE id = %(lock_id)s"
 
-CURRENT = """
-SELECT * FROM helix_job_lock_views
+CURRENT = (
+    "SELECT "
+    + LOCK
+    + """ FROM helix_job_lock_views
 WHERE organization_id = %(organization_id)s
   AND job_type = %(job_type)s
   AND released_at IS NULL
   AND state = 'held'
 """
+)
 
 # Locks not yet released (held, expired or both), in key order; the cursor is the last key seen.
-LIST_LIVE = """
-SELECT * FROM helix_job_lock_views
+LIST_LIVE = (
+    "SELECT "
+    + LOCK
+    + """ FROM helix_job_lock_views
 WHERE released_at IS NULL
   AND (%(organization_id)s::text IS NULL OR organization_id = %(organization_id)s)
   AND (%(job_type)s::text IS NULL OR job_type = %(job_type)s)
@@ -36,10 +55,13 @@ WHERE released_at IS NULL
 ORDER BY organization_id, job_type
 LIMIT %(limit)s
 """
+)
 
 # Ended locks, newest end first; the cursor is the last (released_at, id) seen.
-LIST_HISTORY = """
-SELECT * FROM helix_job_lock_views
+LIST_HISTORY = (
+    "SELECT "
+    + LOCK
+    + """ FROM helix_job_lock_views
 WHERE released_at IS NOT NULL
   AND state = %(state)s
   AND (%(organization_id)s::text IS NULL OR organization_id = %(organization_id)s)
@@ -49,6 +71,7 @@ WHERE released_at IS NOT NULL
 ORDER BY released_at DESC, id DESC
 LIMIT %(limit)s
 """
+)
 
 
 # Migration bookkeeping (service/migrate.py).

@@ -12,6 +12,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from service.locks import Grant, Lock, Renewal, State, storable_text
 
 METADATA_MAX_BYTES = 8 * 1024
+# Deeper JSON than this is refused: it could be stored but not serialized back (pydantic stops
+# at a depth of a few hundred), and no worker needs it.
+METADATA_MAX_DEPTH = 32
 IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 
 Identifier = Annotated[
@@ -27,18 +30,20 @@ def _storable(value: str) -> str:
     return value
 
 
-def _check_json(value: Any) -> None:
+def _check_json(value: Any, depth: int = 1) -> None:
+    if depth > METADATA_MAX_DEPTH:
+        raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
     if isinstance(value, str):
         _storable(value)
     elif isinstance(value, float) and not math.isfinite(value):
         raise ValueError("numbers must be finite")
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_json(key)
-            _check_json(item)
+            _check_json(key, depth + 1)
+            _check_json(item, depth + 1)
     elif isinstance(value, list):
         for item in value:
-            _check_json(item)
+            _check_json(item, depth + 1)
 
 
 def _metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:

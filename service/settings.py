@@ -25,6 +25,11 @@ class Settings(BaseSettings):
     # A statement that runs longer is cancelled and answered with 503: nothing hangs.
     statement_timeout_ms: int = Field(default=5000, ge=100)
 
+    @property
+    def query_deadline_seconds(self) -> float:
+        """How long a request waits for PostgreSQL's answer: a little past statement_timeout."""
+        return self.statement_timeout_ms / 1000 + 1.0
+
     @model_validator(mode="after")
     def _pool_sizes(self) -> Self:
         if self.pool_max_size < self.pool_min_size:

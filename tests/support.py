@@ -92,6 +92,8 @@ class TcpProxy:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
 
     async def _open_target(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.target_host.startswith("/"):
@@ -101,6 +103,7 @@ class TcpProxy:
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while data := await reader.read(65536):
+                await self._flowing.wait()
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
@@ -122,9 +125,14 @@ class TcpProxy:
     def url(self, database_url: str) -> str:
         return make_conninfo(database_url, host="127.0.0.1", port=str(self.port))
 
+    def freeze(self) -> None:
+        """Keep every connection open but forward nothing: a server that went silent."""
+        self._flowing.clear()
+
     async def cut(self) -> None:
         """Refuse new connections and reset every open one, as a dead database host would."""
         assert self._server is not None
+        self._flowing.set()
         self._server.close()
         for writer in self._writers:
             writer.transport.abort()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -252,3 +253,55 @@ def test_fencing_token_is_current_only_while_held(conn: Conn) -> None:
     assert current(2) and not current(1)
     conn.execute("SELECT helix_release_job_lock(%s, %s)", (successor["id"], successor["token"]))
     assert not current(2)
+
+
+def test_acquire_waits_out_a_renewal_of_a_lapsed_lease_and_then_conflicts(db_url: str, conn: Conn) -> None:
+    lapsed = acquire(conn, holder="slow-heartbeat")
+    expire(conn, lapsed["id"])
+    with psycopg.connect(db_url) as renewer, psycopg.connect(db_url, autocommit=True) as acquirer:
+        renewer.execute("SELECT * FROM helix_renew_job_lock(%s, %s, 30000)", (lapsed["id"], lapsed["token"]))
+        outcome: dict[str, Any] = {}
+
+        def compete() -> None:
+            try:
+                outcome["row"] = acquire(acquirer, holder="reclaimer")
+            except psycopg.Error as exc:
+                outcome["error"] = exc
+
+        racer = threading.Thread(target=compete)
+        racer.start()
+        wait_until_blocked(conn, acquirer.info.backend_pid)
+        renewer.commit()
+        racer.join(timeout=10)
+    assert isinstance(outcome.get("error"), errors.UniqueViolation), "the renewed lease must not be reclaimed"
+    detail = json.loads(outcome["error"].diag.message_detail)
+    assert detail["lock_id"] == lapsed["id"]
+    assert datetime.fromisoformat(detail["expires_at"]) == row(conn, lapsed["id"])["expires_at"]
+
+
+@pytest.mark.parametrize(
+    "holder_call",
+    ["SELECT * FROM helix_renew_job_lock(%s, %s, 30000)", "SELECT * FROM helix_release_job_lock(%s, %s)"],
+)
+def test_holder_waiting_behind_a_reclaim_learns_it_lost_the_lock(
+    db_url: str, conn: Conn, holder_call: str
+) -> None:
+    lapsed = acquire(conn, holder="crashed")
+    expire(conn, lapsed["id"])
+    with psycopg.connect(db_url) as reclaimer, psycopg.connect(db_url, autocommit=True) as holder:
+        acquire(reclaimer, holder="reclaimer")  # transaction left open
+        outcome: dict[str, Any] = {}
+
+        def late_holder() -> None:
+            try:
+                outcome["rows"] = holder.execute(holder_call, (lapsed["id"], lapsed["token"])).fetchall()
+            except psycopg.Error as exc:
+                outcome["error"] = exc
+
+        racer = threading.Thread(target=late_holder)
+        racer.start()
+        wait_until_blocked(conn, holder.info.backend_pid)
+        reclaimer.commit()
+        racer.join(timeout=10)
+    assert outcome["error"].sqlstate == "HL003"
+    assert json.loads(outcome["error"].diag.message_detail)["release_reason"] == "reclaimed"
