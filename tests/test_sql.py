@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -57,6 +59,29 @@ def wait_until_blocked(observer: Conn, pid: int, timeout: float = 10) -> None:
     while not backend_waiting_on_lock(observer, pid):
         assert time.monotonic() < deadline, "the competing acquire never waited on the lock"
         time.sleep(0.01)
+
+
+@contextmanager
+def waiting(observer: Conn, waiter: Conn, call: Callable[[], Any]) -> Iterator[dict[str, Any]]:
+    """Run call() on waiter in a thread until it waits on a lock; join it when the block ends.
+
+    The outcome dict gets "result" or "error" once the caller has let the lock go.
+    """
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = call()
+        except psycopg.Error as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_until_blocked(observer, waiter.info.backend_pid)
+    assert not outcome, "the call must wait while the lock's holder is uncommitted"
+    yield outcome
+    thread.join(timeout=10)
+    assert not thread.is_alive()
 
 
 def test_grant_returns_one_row_with_database_times(conn: Conn) -> None:
@@ -116,24 +141,11 @@ def test_race_at_expiry_has_exactly_one_winner(db_url: str, conn: Conn, first_ou
     with psycopg.connect(db_url) as first, psycopg.connect(db_url, autocommit=True) as second:
         winner = acquire(first, holder="first")  # transaction left open, key row locked
         assert winner["reclaimed_lock_id"] == stale["id"]
-        outcome: dict[str, Any] = {}
-
-        def compete() -> None:
-            try:
-                outcome["row"] = acquire(second, holder="second")
-            except psycopg.Error as exc:
-                outcome["error"] = exc
-
-        racer = threading.Thread(target=compete)
-        racer.start()
-        wait_until_blocked(conn, second.info.backend_pid)
-        assert not outcome, "the second acquire must wait while the first is uncommitted"
-        if first_outcome == "commit":
-            first.commit()
-        else:
-            first.rollback()
-        racer.join(timeout=10)
-        assert not racer.is_alive()
+        with waiting(conn, second, lambda: acquire(second, holder="second")) as outcome:
+            if first_outcome == "commit":
+                first.commit()
+            else:
+                first.rollback()
 
     live = conn.execute(
         "SELECT holder, fencing_token FROM helix_job_locks WHERE released_at IS NULL"
@@ -142,7 +154,7 @@ def test_race_at_expiry_has_exactly_one_winner(db_url: str, conn: Conn, first_ou
         assert isinstance(outcome.get("error"), errors.UniqueViolation)
         assert live == [("first", 2)]
     else:
-        assert outcome["row"]["reclaimed_lock_id"] == stale["id"]
+        assert outcome["result"]["reclaimed_lock_id"] == stale["id"]
         assert live == [("second", 2)]
     assert conn.execute("SELECT count(*) FROM helix_job_locks").fetchone() == (2,)
 
@@ -152,15 +164,11 @@ def test_grant_after_a_waited_release_starts_after_it(db_url: str, conn: Conn) -
     held = acquire(conn, holder="holder")
     with psycopg.connect(db_url) as releaser, psycopg.connect(db_url, autocommit=True) as acquirer:
         releaser.execute("SELECT * FROM helix_release_job_lock(%s, %s)", (held["id"], held["token"]))
-        outcome: dict[str, Any] = {}
-        racer = threading.Thread(target=lambda: outcome.update(row=acquire(acquirer, holder="next")))
-        racer.start()
-        wait_until_blocked(conn, acquirer.info.backend_pid)
-        releaser.commit()
-        racer.join(timeout=10)
+        with waiting(conn, acquirer, lambda: acquire(acquirer, holder="next")) as outcome:
+            releaser.commit()
     released = row(conn, held["id"])
-    assert outcome["row"]["acquired_at"] >= released["released_at"]
-    assert outcome["row"]["fencing_token"] == 2
+    assert outcome["result"]["acquired_at"] >= released["released_at"]
+    assert outcome["result"]["fencing_token"] == 2
 
 
 def test_fencing_tokens_increase_and_survive_pruned_history(conn: Conn) -> None:
@@ -260,19 +268,8 @@ def test_acquire_waits_out_a_renewal_of_a_lapsed_lease_and_then_conflicts(db_url
     expire(conn, lapsed["id"])
     with psycopg.connect(db_url) as renewer, psycopg.connect(db_url, autocommit=True) as acquirer:
         renewer.execute("SELECT * FROM helix_renew_job_lock(%s, %s, 30000)", (lapsed["id"], lapsed["token"]))
-        outcome: dict[str, Any] = {}
-
-        def compete() -> None:
-            try:
-                outcome["row"] = acquire(acquirer, holder="reclaimer")
-            except psycopg.Error as exc:
-                outcome["error"] = exc
-
-        racer = threading.Thread(target=compete)
-        racer.start()
-        wait_until_blocked(conn, acquirer.info.backend_pid)
-        renewer.commit()
-        racer.join(timeout=10)
+        with waiting(conn, acquirer, lambda: acquire(acquirer, holder="reclaimer")) as outcome:
+            renewer.commit()
     assert isinstance(outcome.get("error"), errors.UniqueViolation), "the renewed lease must not be reclaimed"
     detail = json.loads(outcome["error"].diag.message_detail)
     assert detail["lock_id"] == lapsed["id"]
@@ -290,18 +287,8 @@ def test_holder_waiting_behind_a_reclaim_learns_it_lost_the_lock(
     expire(conn, lapsed["id"])
     with psycopg.connect(db_url) as reclaimer, psycopg.connect(db_url, autocommit=True) as holder:
         acquire(reclaimer, holder="reclaimer")  # transaction left open
-        outcome: dict[str, Any] = {}
-
-        def late_holder() -> None:
-            try:
-                outcome["rows"] = holder.execute(holder_call, (lapsed["id"], lapsed["token"])).fetchall()
-            except psycopg.Error as exc:
-                outcome["error"] = exc
-
-        racer = threading.Thread(target=late_holder)
-        racer.start()
-        wait_until_blocked(conn, holder.info.backend_pid)
-        reclaimer.commit()
-        racer.join(timeout=10)
+        renew_or_release = lambda: holder.execute(holder_call, (lapsed["id"], lapsed["token"])).fetchall()  # noqa: E731
+        with waiting(conn, holder, renew_or_release) as outcome:
+            reclaimer.commit()
     assert outcome["error"].sqlstate == "HL003"
     assert json.loads(outcome["error"].diag.message_detail)["release_reason"] == "reclaimed"
