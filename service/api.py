@@ -24,12 +24,13 @@ from service.schemas import (
 BIGINT_MAX = 2**63 - 1
 
 
-def get_locks(request: Request) -> Locks:
+# Dependencies are async: FastAPI runs plain `def` ones in a thread pool, a hop per request.
+async def get_locks(request: Request) -> Locks:
     locks: Locks = request.app.state.locks
     return locks
 
 
-def lock_id(lock_id: Annotated[str, Path(description="The id an acquire returned.")]) -> int:
+async def lock_id(lock_id: Annotated[str, Path(description="The id an acquire returned.")]) -> int:
     """Ids are opaque to clients: anything that is not one of ours is simply not found."""
     if (
         not (lock_id.isascii() and lock_id.isdigit() and len(lock_id) <= 19)
