@@ -119,6 +119,8 @@ def create_pool(settings: Settings) -> Pool:
             # Prepare every statement on first use: one round trip per request after that.
             "prepare_threshold": 0,
             "application_name": "helix-locks",
+            # Text is UTF-8 even in a SQL_ASCII database, where psycopg would otherwise give bytes.
+            "client_encoding": "utf8",
             # A server that stops answering (host gone, network cut) must not hold a
             # connection forever: give up on connecting, and on unacknowledged data, in seconds.
             "connect_timeout": 5,

@@ -65,7 +65,7 @@ def _check(migration: Migration, applied: dict[str, str]) -> bool:
 def migrate(conninfo: str) -> list[str]:
     """Apply what is pending; returns the names applied. Safe to run from many processes at once."""
     done: list[str] = []
-    with psycopg.connect(conninfo, autocommit=True) as conn:
+    with psycopg.connect(conninfo, autocommit=True, client_encoding="utf8") as conn:
         conn.execute(queries.MIGRATION_LOCK, {"key": ADVISORY_LOCK_KEY})
         try:
             conn.execute(queries.CREATE_MIGRATIONS_TABLE)

@@ -6,9 +6,13 @@ Columns are named, never `*`: statements are prepared, and a prepared `SELECT *`
 later migration adds a column ("cached plan must not change result type").
 """
 
-# Per connection, once: times in UTC, and no statement runs long enough to look like a hang.
+# Per connection, once: times in UTC; READ COMMITTED whatever the server's default, since the
+# lock functions rely on a waiting FOR UPDATE seeing the row as its holder committed it (under
+# REPEATABLE READ it would fail instead); and no statement long enough to look like a hang.
 CONFIGURE_SESSION = """
-SELECT set_config('TimeZone', 'UTC', false), set_config('statement_timeout', %(statement_timeout_ms)s, false)
+SELECT set_config('TimeZone', 'UTC', false),
+       set_config('default_transaction_isolation', 'read committed', false),
+       set_config('statement_timeout', %(statement_timeout_ms)s, false)
 """
 
 LOCK = """

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 
+import psycopg
+
+from service import migrate
 from service.cli import is_loopback
 from tests.support import ROOT, helix_command
 
@@ -45,3 +48,20 @@ def test_migrate_command_uses_database_url(empty_db_url: str) -> None:
     ]
     again = run("migrate", env={"DATABASE_URL": empty_db_url})
     assert again.stdout.strip() == "no migrations pending"
+
+
+def test_three_migrate_processes_at_once_apply_each_migration_exactly_once(empty_db_url: str) -> None:
+    env = {**os.environ, "DATABASE_URL": empty_db_url}
+    processes = [
+        subprocess.Popen(helix_command("migrate"), env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outputs = [process.communicate(timeout=60)[0].split() for process in processes]
+    assert [process.returncode for process in processes] == [0, 0, 0]
+    applied = sorted(name for output in outputs for name in output if name.endswith(".sql"))
+    assert applied == [m.name for m in migrate.load()]
+    with psycopg.connect(empty_db_url) as conn:
+        recorded = conn.execute(
+            "SELECT count(*), count(DISTINCT name) FROM helix_schema_migrations"
+        ).fetchone()
+    assert recorded == (len(applied), len(applied))

@@ -1,4 +1,4 @@
-"""Many racing clients against two service processes on one database; a checker judges the run."""
+"""Many racing clients spread over three service replicas on one database; a checker judges it."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ KEYS = [(org, job) for org in ("acme", "globex") for job in ("billing", "reindex
 CLIENTS = 24
 SECONDS = 8.0
 TTL = 1.0
+REPLICAS = 3
 
 
 class Run:
@@ -95,7 +96,7 @@ async def test_no_two_grants_of_one_key_overlap_under_racing_clients(db_url: str
             stack.enter_context(
                 running_service(env={"DATABASE_URL": db_url}, log=tmp_path / f"serve-{n}.log")
             )[0]
-            for n in range(2)
+            for n in range(REPLICAS)
         ]
         run = Run()
         deadline = time.monotonic() + SECONDS
