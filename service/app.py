@@ -12,9 +12,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import api, problems
+from service import api, problems, queries
 from service.db import Database, create_pool
 from service.errors import DatabaseUnavailable, EmptyResult, LockError
+from service.keys import KeyRing
+from service.listener import Listener
 from service.locks import Locks
 from service.settings import Settings
 
@@ -132,10 +134,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool = create_pool(settings)
         await pool.open(wait=True, timeout=settings.pool_open_timeout_seconds)
-        app.state.locks = Locks(Database(pool, settings.query_deadline_seconds))
+        db = Database(pool, settings.query_deadline_seconds)
+        app.state.locks = Locks(db)
+        app.state.keys = keys = KeyRing(db, settings.allow_anonymous)
+        keys.listener = listener = Listener(settings.database_url, {queries.KEYS_CHANNEL: keys.reload})
+        await listener.start()
+        await keys.start()
         try:
             yield
         finally:
+            await listener.stop()
+            await keys.stop()
             await pool.close()
 
     app = FastAPI(

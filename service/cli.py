@@ -6,15 +6,18 @@ import argparse
 import ipaddress
 import logging
 import os
+import re
 import signal
 import socket
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 
 import psycopg
 
-from service import embedded, migrate
+from service import embedded, keys, migrate
+from service.schemas import IDENTIFIER_PATTERN
 
 logger = logging.getLogger("helix_locks")
 
@@ -34,22 +37,28 @@ def is_loopback(host: str) -> bool:
 
 
 def serve(args: argparse.Namespace) -> int:
-    if not is_loopback(args.host) and not args.insecure:
-        print(
-            f"helix-locks: refusing to listen on {args.host}: no API keys are configured, so anyone "
-            "who can reach it could take or break locks. Listen on 127.0.0.1, or pass --insecure "
-            "to serve anonymous requests on this address anyway.",
-            file=sys.stderr,
-        )
-        return 2
-    if not is_loopback(args.host):
-        logger.warning("serving anonymous requests on %s (--insecure)", args.host)
     import uvicorn
 
+    loopback = is_loopback(args.host)
     with embedded.database_url(args.data_dir) as url:
         applied = migrate.migrate(url)
         logger.info("migrations applied: %s", ", ".join(applied) or "none pending")
-        os.environ["DATABASE_URL"] = url  # for the app factory, in every worker process
+        if not loopback and not keys.any_keys(url):
+            if not args.insecure:
+                print(
+                    f"helix-locks: refusing to listen on {args.host}: no API key exists yet, so anyone "
+                    "who can reach it could take or break locks. Create an admin key first with\n"
+                    "    helix-locks keys create --admin\n"
+                    "(with the same DATABASE_URL or --data-dir) and send it as Authorization: Bearer "
+                    "<key>. Or listen on 127.0.0.1, or pass --insecure to serve anonymous requests "
+                    "on this address anyway.",
+                    file=sys.stderr,
+                )
+                return 2
+            logger.warning("serving anonymous requests on %s until a key exists (--insecure)", args.host)
+        # For the app factory, in every worker process.
+        os.environ["DATABASE_URL"] = url
+        os.environ["HELIX_LOCKS_ALLOW_ANONYMOUS"] = str(loopback or args.insecure).lower()
         uvicorn.run(
             "service.app:create_app",
             factory=True,
@@ -66,6 +75,46 @@ def run_migrate(args: argparse.Namespace) -> int:
     with embedded.database_url(args.data_dir) as url:
         applied = migrate.migrate(url)
     print("\n".join(applied) if applied else "no migrations pending")
+    return 0
+
+
+def keys_create(args: argparse.Namespace) -> int:
+    if args.org is not None and not re.match(IDENTIFIER_PATTERN, args.org):
+        print(f"helix-locks: not an organization id: {args.org!r}", file=sys.stderr)
+        return 2
+    with embedded.database_url(args.data_dir) as url:
+        migrate.migrate(url)
+        key = keys.create(url, args.org)
+    print(key)  # alone on standard output, shown this once
+    return 0
+
+
+def keys_list(args: argparse.Namespace) -> int:
+    with embedded.database_url(args.data_dir) as url:
+        migrate.migrate(url)
+        found = keys.listing(url)
+    rows: list[tuple[str, ...]] = [("ID", "SCOPE", "CREATED", "LAST USED", "REVOKED")]
+    for key in found:
+        scope = f"org:{key.organization_id}" if key.organization_id else "admin"
+        rows.append((key.id, scope, *(_when(t) for t in (key.created_at, key.last_used_at, key.revoked_at))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ") if moment else "-"
+
+
+def keys_revoke(args: argparse.Namespace) -> int:
+    with embedded.database_url(args.data_dir) as url:
+        migrate.migrate(url)
+        found = keys.revoke(url, args.key_id)
+    if not found:
+        print(f"helix-locks: no API key with id {args.key_id}", file=sys.stderr)
+        return 1
+    print(f"revoked {args.key_id}")
     return 0
 
 
@@ -95,6 +144,22 @@ def parser() -> argparse.ArgumentParser:
     migrate_cmd = commands.add_parser("migrate", help="apply pending migrations")
     data_dir_option(migrate_cmd)
     migrate_cmd.set_defaults(handler=run_migrate)
+
+    keys_cmd = commands.add_parser("keys", help="create, list and revoke API keys")
+    keys_commands = keys_cmd.add_subparsers(dest="keys_command", required=True)
+    create_cmd = keys_commands.add_parser("create", help="create a key and print it, once")
+    scope = create_cmd.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--org", help="the organization the key acts in")
+    scope.add_argument("--admin", action="store_true", help="a key that acts in every organization")
+    data_dir_option(create_cmd)
+    create_cmd.set_defaults(handler=keys_create)
+    list_cmd = keys_commands.add_parser("list", help="list keys (never the keys themselves)")
+    data_dir_option(list_cmd)
+    list_cmd.set_defaults(handler=keys_list)
+    revoke_cmd = keys_commands.add_parser("revoke", help="revoke a key by its id, at once everywhere")
+    revoke_cmd.add_argument("key_id")
+    data_dir_option(revoke_cmd)
+    revoke_cmd.set_defaults(handler=keys_revoke)
     return root
 
 

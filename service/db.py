@@ -55,7 +55,7 @@ def _lock_ended(exc: psycopg.Error) -> LockError:
     detail = _detail(exc)
     released_at = _time(detail.get("released_at"))
     assert released_at is not None, "HL003 always carries released_at"
-    return LockEnded(detail["lock_id"], detail["release_reason"], released_at)
+    return LockEnded(detail["lock_id"], detail["release_reason"], released_at, detail.get("forced_by"))
 
 
 def _invalid(exc: psycopg.Error) -> LockError:
@@ -91,9 +91,27 @@ async def translated() -> AsyncIterator[None]:
 
 
 def _discard_outcome(statement: asyncio.Future[Any]) -> None:
-    """Retrieve a late statement's error, if any: its caller already answered 503."""
+    """Retrieve a statement's error, so that one nobody awaits (its caller already answered
+    503, or was cancelled) is not reported as never retrieved."""
     if not statement.cancelled():
         statement.exception()
+
+
+# How every connection of a service process is made (the pool's and the listener's).
+CONNECTION_KWARGS: dict[str, Any] = {
+    "autocommit": True,
+    "application_name": "helix-locks",
+    # Text is UTF-8 even in a SQL_ASCII database, where psycopg would otherwise give bytes.
+    "client_encoding": "utf8",
+    # A server that stops answering (host gone, network cut) must not hold a connection
+    # forever: give up on connecting, and on unacknowledged data, within seconds.
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 2,
+    "tcp_user_timeout": 10_000,
+}
 
 
 def create_pool(settings: Settings) -> Pool:
@@ -114,21 +132,10 @@ def create_pool(settings: Settings) -> Pool:
         name="helix-locks",
         configure=configure,
         kwargs={
-            "autocommit": True,
+            **CONNECTION_KWARGS,
             "row_factory": dict_row,
             # Prepare every statement on first use: one round trip per request after that.
             "prepare_threshold": 0,
-            "application_name": "helix-locks",
-            # Text is UTF-8 even in a SQL_ASCII database, where psycopg would otherwise give bytes.
-            "client_encoding": "utf8",
-            # A server that stops answering (host gone, network cut) must not hold a
-            # connection forever: give up on connecting, and on unacknowledged data, in seconds.
-            "connect_timeout": 5,
-            "keepalives": 1,
-            "keepalives_idle": 10,
-            "keepalives_interval": 5,
-            "keepalives_count": 2,
-            "tcp_user_timeout": 10_000,
         },
     )
 
@@ -154,11 +161,14 @@ class Database:
         would make it spend seconds trying to cancel the query on that same silent server.
         """
         statement = asyncio.ensure_future(self._fetch_all(query, params))
+        statement.add_done_callback(_discard_outcome)
         try:
             return await asyncio.wait_for(asyncio.shield(statement), self.deadline_seconds)
         except TimeoutError as exc:
-            statement.add_done_callback(_discard_outcome)
             raise DatabaseUnavailable("no answer before the deadline") from exc
+        except asyncio.CancelledError:
+            statement.cancel()  # our caller gave up (shutdown, say): so does the statement
+            raise
 
     async def fetch_optional(self, query: LiteralString, params: Mapping[str, Any]) -> DictRow | None:
         rows = await self.fetch_all(query, params)

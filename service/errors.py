@@ -37,6 +37,7 @@ class LockEnded(LockError):
     lock_id: int
     release_reason: str
     released_at: datetime
+    forced_by: str | None = None
 
 
 @dataclass
@@ -57,6 +58,20 @@ class DatabaseUnavailable(LockError):
 @dataclass
 class SchemaNotReady(LockError):
     """The database lacks migrations this build needs, or holds changed ones."""
+
+    reason: str
+
+
+@dataclass
+class Unauthenticated(LockError):
+    """No API key, or one that is unknown or revoked, where a key is required."""
+
+    reason: str
+
+
+@dataclass
+class Forbidden(LockError):
+    """The caller's key may not do this (another organization, or force without admin)."""
 
     reason: str
 

@@ -14,7 +14,8 @@ from psycopg.types.json import Jsonb
 
 from service import queries
 from service.db import Database
-from service.errors import InvalidArgument, LockNotFound
+from service.errors import Forbidden, InvalidArgument, LockNotFound
+from service.keys import Caller
 
 State = Literal["held", "expired", "released", "reclaimed"]
 LIVE_STATES: tuple[State, ...] = ("held", "expired")
@@ -120,12 +121,15 @@ class Locks:
 
     async def acquire(
         self,
+        caller: Caller,
         organization_id: str,
         job_type: str,
         holder: str,
         ttl_ms: int,
         metadata: dict[str, Any] | None,
     ) -> Grant:
+        if caller.scope not in (None, organization_id):
+            raise Forbidden(f"This API key acts only in organization {caller.scope}.")
         row = await self.db.fetch_first(
             queries.ACQUIRE,
             {
@@ -143,22 +147,32 @@ class Locks:
             )
         return Grant(Lock.from_row(row), row["token"], reclaimed)
 
-    async def release(self, lock_id: int, token: str) -> Lock:
-        row = await self.db.fetch_first(queries.RELEASE, {"lock_id": lock_id, "token": token})
-        return Lock.from_row(row)
+    async def release(self, caller: Caller, lock_id: int, token: str) -> Lock:
+        params = {"lock_id": lock_id, "token": token, "scope": caller.scope}
+        return Lock.from_row(await self.db.fetch_first(queries.RELEASE, params))
 
-    async def renew(self, lock_id: int, token: str, ttl_ms: int) -> Renewal:
-        row = await self.db.fetch_first(queries.RENEW, {"lock_id": lock_id, "token": token, "ttl_ms": ttl_ms})
+    async def force_release(self, caller: Caller, lock_id: int) -> Lock:
+        """Break a lock without its token: admin keys only, recorded with the key's id."""
+        if not caller.admin:
+            raise Forbidden("Only an admin API key may release a lock by force.")
+        params = {"lock_id": lock_id, "key_id": caller.key_id}
+        return Lock.from_row(await self.db.fetch_first(queries.FORCE_RELEASE, params))
+
+    async def renew(self, caller: Caller, lock_id: int, token: str, ttl_ms: int) -> Renewal:
+        params = {"lock_id": lock_id, "token": token, "ttl_ms": ttl_ms, "scope": caller.scope}
+        row = await self.db.fetch_first(queries.RENEW, params)
         return Renewal(Lock.from_row(row), row["lapsed"])
 
-    async def get(self, lock_id: int) -> Lock:
-        row = await self.db.fetch_optional(queries.GET, {"lock_id": lock_id})
+    async def get(self, caller: Caller, lock_id: int) -> Lock:
+        row = await self.db.fetch_optional(queries.GET, {"lock_id": lock_id, "scope": caller.scope})
         if row is None:
             raise LockNotFound()
         return Lock.from_row(row)
 
-    async def current(self, organization_id: str, job_type: str) -> Lock:
+    async def current(self, caller: Caller, organization_id: str, job_type: str) -> Lock:
         """The lock held right now for the key; a lapsed lease is not held."""
+        if caller.scope not in (None, organization_id):
+            raise LockNotFound()
         row = await self.db.fetch_optional(
             queries.CURRENT, {"organization_id": organization_id, "job_type": job_type}
         )
@@ -168,6 +182,7 @@ class Locks:
 
     async def list(
         self,
+        caller: Caller,
         *,
         organization_id: str | None,
         job_type: str | None,
@@ -176,6 +191,10 @@ class Locks:
         cursor: str | None,
     ) -> Page:
         """Live locks (held, expired or both) in key order, or history newest first."""
+        if caller.scope is not None:
+            if organization_id not in (None, caller.scope):
+                return Page([], None)  # another organization's locks do not exist for this caller
+            organization_id = caller.scope
         live = state is None or state in LIVE_STATES
         after = _decode_cursor(cursor, state, live) if cursor else [None, None]
         params: dict[str, Any] = {

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from service.errors import (
     DatabaseUnavailable,
     EmptyResult,
+    Forbidden,
     InvalidArgument,
     LockEnded,
     LockError,
@@ -18,6 +19,7 @@ from service.errors import (
     LockNotFound,
     SchemaNotReady,
     TokenMismatch,
+    Unauthenticated,
 )
 
 MEDIA_TYPE = "application/problem+json"
@@ -75,6 +77,7 @@ def _ended(exc: LockEnded) -> JSONResponse:
         lock_id=exc.lock_id,
         release_reason=exc.release_reason,
         released_at=exc.released_at,
+        forced_by=exc.forced_by,
     )
 
 
@@ -110,6 +113,10 @@ PROBLEMS: Mapping[type[LockError], Callable[[Any], JSONResponse]] = {
     LockEnded: _ended,
     InvalidArgument: _invalid,
     DatabaseUnavailable: _unavailable,
+    Unauthenticated: lambda exc: problem(
+        401, "unauthenticated", "Unauthenticated", exc.reason, headers={"WWW-Authenticate": "Bearer"}
+    ),
+    Forbidden: lambda exc: problem(403, "forbidden", "Forbidden", exc.reason),
     SchemaNotReady: lambda exc: problem(
         503,
         "not-migrated",

@@ -6,6 +6,8 @@ Columns are named, never `*`: statements are prepared, and a prepared `SELECT *`
 later migration adds a column ("cached plan must not change result type").
 """
 
+from psycopg import sql
+
 # Per connection, once: times in UTC; READ COMMITTED whatever the server's default, since the
 # lock functions rely on a waiting FOR UPDATE seeing the row as its holder committed it (under
 # REPEATABLE READ it would fail instead); and no statement long enough to look like a hang.
@@ -28,11 +30,21 @@ FROM helix_acquire_job_lock(%(organization_id)s, %(job_type)s, %(holder)s, %(ttl
 """
 )
 
-RELEASE = "SELECT " + LOCK + " FROM helix_release_job_lock(%(lock_id)s, %(token)s)"
+# %(scope)s is the caller's organization, or NULL for an admin: another organization's lock is
+# not found.
+RELEASE = "SELECT " + LOCK + " FROM helix_release_job_lock(%(lock_id)s, %(token)s, %(scope)s)"
 
-RENEW = "SELECT " + LOCK + ", lapsed FROM helix_renew_job_lock(%(lock_id)s, %(token)s, %(ttl_ms)s)"
+FORCE_RELEASE = "SELECT " + LOCK + " FROM helix_force_release_job_lock(%(lock_id)s, %(key_id)s)"
 
-GET = "SELECT " + LOCK + " FROM helix_job_lock_views WHERE id = %(lock_id)s"
+RENEW = "SELECT " + LOCK + ", lapsed FROM helix_renew_job_lock(%(lock_id)s, %(token)s, %(ttl_ms)s, %(scope)s)"
+
+GET = (
+    "SELECT "
+    + LOCK
+    + """ FROM helix_job_lock_views
+WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope)s)
+"""
+)
 
 CURRENT = (
     "SELECT "
@@ -77,6 +89,30 @@ LIMIT %(limit)s
 """
 )
 
+
+# API keys (service/keys.py). Changing the table notifies every service process (a trigger).
+KEYS_CHANNEL = "helix_api_keys"
+ALL_KEYS = "SELECT id, organization_id, key_hash, revoked_at IS NOT NULL AS revoked FROM helix_api_keys"
+KEY_BY_ID = (
+    "SELECT id, organization_id, key_hash, revoked_at IS NOT NULL AS revoked FROM helix_api_keys"
+    " WHERE id = %(id)s"
+)
+CREATE_KEY = """
+INSERT INTO helix_api_keys (id, organization_id, key_hash) VALUES (%(id)s, %(organization_id)s, %(key_hash)s)
+"""
+LIST_KEYS = """
+SELECT id, organization_id, created_at, last_used_at, revoked_at FROM helix_api_keys ORDER BY created_at, id
+"""
+REVOKE_KEY = """
+UPDATE helix_api_keys SET revoked_at = coalesce(revoked_at, clock_timestamp()) WHERE id = %(id)s RETURNING id
+"""
+KEYS_EXIST = "SELECT EXISTS (SELECT 1 FROM helix_api_keys) AS exists"
+# Last use is recorded in batches, to the nearest few seconds, not as a write per request.
+TOUCH_KEYS = "UPDATE helix_api_keys SET last_used_at = clock_timestamp() WHERE id = ANY(%(ids)s) RETURNING id"
+
+# Notifications (service/listener.py); the channel is an identifier, composed safely.
+LISTEN = sql.SQL("LISTEN {}")
+PING = "SELECT 1"
 
 # Migration bookkeeping (service/migrate.py).
 MIGRATION_LOCK = "SELECT pg_advisory_lock(%(key)s)"

@@ -24,6 +24,9 @@ class Settings(BaseSettings):
     pool_open_timeout_seconds: float = Field(default=30.0, gt=0)
     # A statement that runs longer is cancelled and answered with 503: nothing hangs.
     statement_timeout_ms: int = Field(default=5000, ge=100)
+    # Serve requests without an API key while no key exists at all. `serve` sets it when it
+    # listens on loopback only, or with --insecure; once any key exists, keys are required.
+    allow_anonymous: bool = False
 
     @property
     def query_deadline_seconds(self) -> float:

@@ -106,7 +106,7 @@ def conn(db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
 @pytest.fixture
 async def client(db_url: str) -> AsyncIterator[httpx.AsyncClient]:
     """The app in-process, inside its lifespan, on this test's database."""
-    app = create_app(Settings(database_url=db_url, pool_timeout_seconds=1.0))
+    app = create_app(Settings(database_url=db_url, pool_timeout_seconds=1.0, allow_anonymous=True))
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),

@@ -391,7 +391,12 @@ async def test_unknown_route_and_method_are_problems(client: httpx.AsyncClient) 
 async def test_a_database_that_stops_answering_is_503_not_a_hang(db_url: str) -> None:
     proxy = TcpProxy(db_url)
     await proxy.start()
-    settings = Settings(database_url=proxy.url(db_url), pool_timeout_seconds=1.0, statement_timeout_ms=500)
+    settings = Settings(
+        database_url=proxy.url(db_url),
+        pool_timeout_seconds=1.0,
+        statement_timeout_ms=500,
+        allow_anonymous=True,
+    )
     app = create_app(settings)
     transport = httpx.ASGITransport(app=app)
     async with (
@@ -411,7 +416,7 @@ async def test_a_database_that_stops_answering_is_503_not_a_hang(db_url: str) ->
 
 
 async def test_readyz_is_503_until_migrated(empty_db_url: str) -> None:
-    app = create_app(Settings(database_url=empty_db_url))
+    app = create_app(Settings(database_url=empty_db_url, allow_anonymous=True))
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
@@ -424,7 +429,7 @@ async def test_readyz_is_503_until_migrated(empty_db_url: str) -> None:
 async def test_database_unreachable_is_503_with_retry_after_quickly(db_url: str) -> None:
     proxy = TcpProxy(db_url)
     await proxy.start()
-    app = create_app(Settings(database_url=proxy.url(db_url), pool_timeout_seconds=1.0))
+    app = create_app(Settings(database_url=proxy.url(db_url), pool_timeout_seconds=1.0, allow_anonymous=True))
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
