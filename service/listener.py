@@ -60,6 +60,10 @@ class Listener:
                 await callback(conn)
             self.connected = True
             while True:
-                async for notify in conn.notifies(timeout=PING_SECONDS):
-                    await self.channels[notify.channel](conn)
-                await asyncio.wait_for(conn.execute(queries.PING), PING_SECONDS)
+                # Callbacks run after the generator ends: it holds the connection's lock, and a
+                # callback may want to run a statement on the same connection.
+                heard = {n.channel async for n in conn.notifies(timeout=PING_SECONDS, stop_after=1)}
+                for channel in heard:
+                    await self.channels[channel](conn)
+                if not heard:
+                    await asyncio.wait_for(conn.execute(queries.PING), PING_SECONDS)

@@ -1,0 +1,225 @@
+"""API keys and tenancy: every endpoint against every kind of caller, protected mode, revocation."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import psycopg
+import pytest
+
+from service import keys
+from service.app import create_app
+from service.settings import Settings
+
+pytestmark = pytest.mark.anyio
+KEY_PATTERN = re.compile(r"^hlk_[0-9a-f]{12}_[A-Za-z0-9_-]{43}$")
+
+
+@dataclass
+class Keys:
+    own: str  # acme's
+    other: str  # globex's
+    admin: str
+    revoked: str
+    unknown: str
+
+
+@pytest.fixture
+def api_keys(db_url: str) -> Keys:
+    revoked = keys.create(db_url, "acme")
+    keys.revoke(db_url, keys.key_id(revoked) or "")
+    unknown = f"hlk_{secrets.token_hex(6)}_{secrets.token_urlsafe(32)}"
+    return Keys(
+        keys.create(db_url, "acme"),
+        keys.create(db_url, "globex"),
+        keys.create(db_url, None),
+        revoked,
+        unknown,
+    )
+
+
+@pytest.fixture
+async def app_client(db_url: str, api_keys: Keys) -> AsyncIterator[httpx.AsyncClient]:
+    # allow_anonymous as on loopback: keys exist, so anonymous requests must still be refused.
+    app = create_app(Settings(database_url=db_url, allow_anonymous=True))
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://t") as http,
+    ):
+        yield http
+
+
+def bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def held_lock(client: httpx.AsyncClient, admin: str, job_type: str) -> dict[str, Any]:
+    body = {"organization_id": "acme", "job_type": job_type, "holder": "w", "ttl_seconds": 60}
+    response = await client.post("/v1/locks", json=body, headers=bearer(admin))
+    assert response.status_code == 201, response.text
+    grant: dict[str, Any] = response.json()
+    return grant
+
+
+CALLERS = ["none", "unknown", "revoked", "own", "other", "admin"]
+# Expected status per endpoint and caller; a lock of organization acme, "own" is acme's key.
+MATRIX: dict[str, list[int]] = {
+    "acquire": [401, 401, 401, 201, 403, 201],
+    "list": [401, 401, 401, 200, 200, 200],
+    "current": [401, 401, 401, 200, 404, 200],
+    "get": [401, 401, 401, 200, 404, 200],
+    "renew": [401, 401, 401, 200, 404, 200],
+    "release": [401, 401, 401, 204, 404, 204],
+    "force": [401, 401, 401, 403, 403, 204],
+}
+
+
+async def call(
+    client: httpx.AsyncClient, endpoint: str, lock: dict[str, Any], headers: dict[str, str]
+) -> httpx.Response:
+    url = f"/v1/locks/{lock['id']}"
+    with_token = {**headers, "Lock-Token": lock["token"]}
+    if endpoint == "acquire":
+        body = {
+            "organization_id": "acme",
+            "job_type": f"{lock['job_type']}-new",
+            "holder": "w",
+            "ttl_seconds": 5,
+        }
+        return await client.post("/v1/locks", json=body, headers=headers)
+    if endpoint == "list":
+        return await client.get("/v1/locks", headers=headers)
+    if endpoint == "current":
+        params = {"organization_id": "acme", "job_type": lock["job_type"]}
+        return await client.get("/v1/locks/current", params=params, headers=headers)
+    if endpoint == "get":
+        return await client.get(url, headers=headers)
+    if endpoint == "renew":
+        return await client.post(f"{url}/renew", json={"ttl_seconds": 30}, headers=with_token)
+    if endpoint == "release":
+        return await client.delete(url, headers=with_token)
+    return await client.delete(url, params={"force": "true"}, headers=headers)
+
+
+@pytest.mark.parametrize("endpoint", MATRIX)
+@pytest.mark.parametrize("caller", CALLERS)
+async def test_every_endpoint_for_every_caller(
+    app_client: httpx.AsyncClient, api_keys: Keys, endpoint: str, caller: str
+) -> None:
+    lock = await held_lock(app_client, api_keys.admin, f"job-{endpoint}")
+    key = None if caller == "none" else getattr(api_keys, caller)
+    response = await call(app_client, endpoint, lock, bearer(key))
+    expected = MATRIX[endpoint][CALLERS.index(caller)]
+    assert response.status_code == expected, response.text
+    if expected == 401:
+        assert response.headers["www-authenticate"] == "Bearer"
+        assert response.headers["content-type"] == "application/problem+json"
+    if endpoint == "list" and expected == 200:
+        visible = lock["id"] in [item["id"] for item in response.json()["items"]]
+        assert visible == (caller != "other"), "another organization's locks are absent from lists"
+    for secret in (api_keys.own, api_keys.other, api_keys.admin, api_keys.revoked, lock["token"]):
+        assert secret not in response.text
+
+
+async def test_an_org_key_cannot_list_another_org_even_by_asking(
+    app_client: httpx.AsyncClient, api_keys: Keys
+) -> None:
+    await held_lock(app_client, api_keys.admin, "visible-to-acme-only")
+    response = await app_client.get(
+        "/v1/locks", params={"organization_id": "acme"}, headers=bearer(api_keys.other)
+    )
+    assert response.status_code == 200
+    assert response.json() == {"items": [], "next_cursor": None}
+
+
+@pytest.mark.parametrize("header", ["Basic dXNlcjpwYXNz", "Bearer", "Bearer not-a-key", "hlk_x"])
+async def test_malformed_authorization_is_401(app_client: httpx.AsyncClient, header: str) -> None:
+    response = await app_client.get("/v1/locks", headers={"Authorization": header})
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+async def test_force_release_is_recorded_and_the_holder_learns_it(
+    app_client: httpx.AsyncClient, api_keys: Keys, conn: psycopg.Connection[Any]
+) -> None:
+    lock = await held_lock(app_client, api_keys.own, "stuck-job")
+    forced = await app_client.delete(
+        f"/v1/locks/{lock['id']}", params={"force": "true"}, headers=bearer(api_keys.admin)
+    )
+    assert forced.status_code == 204
+    admin_id = keys.key_id(api_keys.admin)
+    row = conn.execute(
+        "SELECT release_reason, forced_by FROM helix_job_locks WHERE id = %s", (lock["id"],)
+    ).fetchone()
+    assert row == ("forced", admin_id)
+    headers = {**bearer(api_keys.own), "Lock-Token": lock["token"]}
+    gone = await app_client.delete(f"/v1/locks/{lock['id']}", headers=headers)
+    assert gone.status_code == 410
+    assert gone.json()["release_reason"] == "forced"
+    assert gone.json()["forced_by"] == admin_id
+    assert "administrator" in gone.json()["detail"]
+    again = await app_client.delete(
+        f"/v1/locks/{lock['id']}", params={"force": "true"}, headers=bearer(api_keys.admin)
+    )
+    assert again.status_code == 410
+
+
+async def test_keys_are_stored_only_as_hashes(db_url: str, conn: psycopg.Connection[Any]) -> None:
+    key = keys.create(db_url, "acme")
+    assert KEY_PATTERN.match(key)
+    rows = conn.execute("SELECT t::text, key_hash FROM helix_api_keys AS t").fetchall()
+    assert len(rows) == 1
+    text, key_hash = rows[0]
+    secret = key.rsplit("_", 1)[1]
+    assert secret not in text
+    assert key_hash == hashlib.sha256(key.encode()).digest()
+
+
+async def test_last_use_is_recorded(db_url: str, api_keys: Keys, conn: psycopg.Connection[Any]) -> None:
+    app = create_app(Settings(database_url=db_url))
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://t") as http,
+    ):
+        assert (await http.get("/v1/locks", headers=bearer(api_keys.own))).status_code == 200
+    # Flushed at the latest when the process stops.
+    used = conn.execute("SELECT id FROM helix_api_keys WHERE last_used_at IS NOT NULL").fetchall()
+    assert used == [(keys.key_id(api_keys.own),)]
+
+
+async def test_anonymous_is_served_only_while_allowed_and_no_key_exists(db_url: str) -> None:
+    body = {"organization_id": "acme", "job_type": "j", "holder": "w", "ttl_seconds": 5}
+    for allowed in (False, True):
+        app = create_app(Settings(database_url=db_url, allow_anonymous=allowed))
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=transport, base_url="http://t") as c,
+        ):
+            response = await c.get("/v1/locks")
+            assert response.status_code == (200 if allowed else 401)
+            if allowed:
+                assert (await c.post("/v1/locks", json=body)).status_code == 201
+                keys.create(db_url, "acme")  # the first key ends anonymous access, at once
+                assert await eventually_status(c, "/v1/locks", {}, 401)
+
+
+async def eventually_status(
+    client: httpx.AsyncClient, path: str, headers: dict[str, str], status: int
+) -> bool:
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        if (await client.get(path, headers=headers)).status_code == status:
+            return True
+        await anyio.sleep(0.02)
+    return False
