@@ -1,11 +1,14 @@
-"""Benchmark: acquire+release cycles over HTTP against the same SQL driven by pgbench (the limit).
+"""Benchmark: acquire+release cycles over HTTP, without and with an API key, against the same SQL
+driven by pgbench (the limit).
 
     python bench/run.py            # 1, 8 and 32 clients, 3 s warm-up + 10 s measured per level
     python bench/run.py --quick    # smoke run: 1 s warm-up + 3 s measured per level
 
 One cycle is POST /v1/locks then DELETE /v1/locks/{id}; every client cycles on its own key, so
-nothing conflicts. pgbench runs helix_acquire_job_lock + helix_release_job_lock with the same
-client counts and durations, which is as fast as these cycles can go on this database.
+nothing conflicts. The HTTP runs go first anonymously, while no API key exists, then again with an
+organization key for "bench" sent as Authorization: Bearer on every request: keyed/anon is the
+cost of authentication. pgbench then runs helix_acquire_job_lock + helix_release_job_lock with the
+same client counts and durations, which is as fast as these cycles can go on this database.
 
 The database is a throwaway one: `helix_bench_<random>` on DATABASE_URL's server when that is set,
 else an embedded PostgreSQL in a temporary directory. It is seeded (released history and live
@@ -47,6 +50,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from service import keys
 from service.migrate import migrate
 
 CPUS = os.cpu_count() or 1
@@ -209,9 +213,10 @@ PLAN_CHECKS = [
     ),
     (
         "release: the lock FOR UPDATE",
-        "bigint",
-        "SELECT * FROM helix_job_locks AS l WHERE l.id = $1 FOR UPDATE",
-        "1",
+        "bigint, text",
+        "SELECT * FROM helix_job_locks AS l WHERE l.id = $1"
+        " AND ($2::text IS NULL OR l.organization_id = $2) FOR UPDATE",
+        "1, 'bench'",
     ),
     (
         "release: mark it released",
@@ -303,6 +308,21 @@ def stop(process: subprocess.Popen[bytes]) -> None:
     with suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
+
+
+def create_key(url: str, base_url: str, timeout: float = 10) -> str:
+    """A new API key for organization "bench", once the service refuses anonymous requests."""
+    key = keys.create(url, "bench")
+    deadline = time.monotonic() + timeout
+    while True:
+        status = httpx.get(f"{base_url}/v1/locks", timeout=REQUEST_TIMEOUT).status_code
+        if status == 401:
+            return key
+        if time.monotonic() > deadline:
+            raise BenchError(
+                f"{timeout:.0f} s after a key was made, an anonymous request got {status}, not 401"
+            )
+        time.sleep(0.1)
 
 
 def tail(path: Path, lines: int = 30) -> str:
@@ -407,16 +427,21 @@ def cpu_time() -> float:
     return times.user + times.system
 
 
-async def cycle(conn: Connection, body: bytes, sample: Sample) -> bool:
-    """One acquire + release; False (and counted) unless both answer the expected 2xx."""
+async def cycle(conn: Connection, auth: str, body: bytes, sample: Sample) -> bool:
+    """One acquire + release; False (and counted) unless both answer the expected 2xx.
+
+    `auth` is the Authorization header line sent with both requests, or "" for none.
+    """
     try:
-        status, answer = await conn.request("POST", "/v1/locks", "Content-Type: application/json\r\n", body)
+        status, answer = await conn.request(
+            "POST", "/v1/locks", f"{auth}Content-Type: application/json\r\n", body
+        )
         if status != 201:
             sample.fail(f"POST /v1/locks -> {status} {answer[:300]!r}")
             return False
         grant = json.loads(answer)
         status, answer = await conn.request(
-            "DELETE", f"/v1/locks/{grant['id']}", f"Lock-Token: {grant['token']}\r\n"
+            "DELETE", f"/v1/locks/{grant['id']}", f"{auth}Lock-Token: {grant['token']}\r\n"
         )
         if status != 204:
             sample.fail(f"DELETE /v1/locks/{grant['id']} -> {status} {answer[:300]!r}")
@@ -427,14 +452,16 @@ async def cycle(conn: Connection, body: bytes, sample: Sample) -> bool:
     return True
 
 
-async def client(conn: Connection, job_type: str, start: float, end: float, sample: Sample) -> None:
+async def client(
+    conn: Connection, auth: str, job_type: str, start: float, end: float, sample: Sample
+) -> None:
     """Cycle on one key until `end`; keep the latency of every cycle that completes in [start, end)."""
     request = {"organization_id": "bench", "job_type": job_type, "holder": "bench", "ttl_seconds": 30}
     body = json.dumps(request).encode()
     try:
         while True:
             began = time.perf_counter()
-            ok = await cycle(conn, body, sample)
+            ok = await cycle(conn, auth, body, sample)
             done = time.perf_counter()
             if ok and start <= done < end:
                 sample.latencies.append(done - began)
@@ -453,7 +480,9 @@ async def cpu_probe(start: float, end: float, sample: Sample) -> None:
     sample.cpu_seconds = cpu_time() - before
 
 
-async def load(base_url: str, job_types: list[str], warmup: int, duration: int, use_httpx: bool) -> Sample:
+async def load(
+    base_url: str, auth: str, job_types: list[str], warmup: int, duration: int, use_httpx: bool
+) -> Sample:
     sample = Sample()
     start = time.perf_counter() + warmup
     end = start + duration
@@ -466,7 +495,7 @@ async def load(base_url: str, job_types: list[str], warmup: int, duration: int, 
         await asyncio.gather(
             cpu_probe(start, end, sample),
             *(
-                client(conn, job, start, end, sample)
+                client(conn, auth, job, start, end, sample)
                 for conn, job in zip(connections, job_types, strict=True)
             ),
         )
@@ -484,6 +513,7 @@ def run_loop(coroutine: Coroutine[Any, Any, T]) -> T:
 
 def load_process(
     base_url: str,
+    auth: str,
     job_types: list[str],
     warmup: int,
     duration: int,
@@ -495,23 +525,27 @@ def load_process(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     try:
         barrier.wait(timeout=60)
-        results.put(run_loop(load(base_url, job_types, warmup, duration, use_httpx)))
+        results.put(run_loop(load(base_url, auth, job_types, warmup, duration, use_httpx)))
     except BaseException as exc:
         results.put(f"load process failed: {exc!r}")
 
 
 def run_http(
-    base_url: str, clients: int, processes: int, warmup: int, duration: int, use_httpx: bool
+    base_url: str, key: str | None, clients: int, processes: int, warmup: int, duration: int, use_httpx: bool
 ) -> Result:
+    """`clients` clients cycling for `warmup` + `duration` s, anonymously or with the API key."""
     ctx = get_context("spawn")  # a clean interpreter: no inherited handlers or connections
     count = max(1, min(processes, clients))
     barrier = ctx.Barrier(count + 1)
     results: Queue[Sample | str] = ctx.Queue()
-    job_types = [f"http-{clients}-{n}" for n in range(clients)]  # a fresh key per client and level
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    side = "keyed" if key else "anon"
+    # A fresh lock key (organization, job type) per client, level and side.
+    job_types = [f"http-{side}-{clients}-{n}" for n in range(clients)]
     workers = [
         ctx.Process(
             target=load_process,
-            args=(base_url, job_types[n::count], warmup, duration, use_httpx, barrier, results),
+            args=(base_url, auth, job_types[n::count], warmup, duration, use_httpx, barrier, results),
             daemon=True,
         )
         for n in range(count)
@@ -559,7 +593,7 @@ def run_http(
 
 PGBENCH_SCRIPT = """\
 SELECT id, token FROM helix_acquire_job_lock('bench', 'pg-' || :client_id, 'pgbench', 30000, NULL) \\gset
-SELECT 1 FROM helix_release_job_lock(:id, :token);
+SELECT 1 FROM helix_release_job_lock(:id, :token, NULL);
 """
 
 
@@ -659,17 +693,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def table(levels: list[int], http: list[Result], pg: list[Result]) -> str:
+def table(levels: list[int], anon: list[Result], keyed: list[Result], pg: list[Result]) -> str:
     header = (
-        f"{'clients':>7} | {'HTTP cycles/s':>13} {'p50 ms':>7} {'p99 ms':>7} | "
-        f"{'pgbench cycles/s':>16} {'p50 ms':>7} {'p99 ms':>7} | {'HTTP/pgbench':>12}"
+        f"{'clients':>7} | {'anon cycles/s':>13} {'p50 ms':>7} {'p99 ms':>7} | "
+        f"{'keyed cycles/s':>14} {'p50 ms':>7} {'p99 ms':>7} | "
+        f"{'pgbench cycles/s':>16} {'p50 ms':>7} {'p99 ms':>7} | {'keyed/anon':>10} | {'keyed/pgbench':>13}"
     )
     lines = [header, "-" * len(header)]
-    for clients, h, p in zip(levels, http, pg, strict=True):
+    for clients, a, k, p in zip(levels, anon, keyed, pg, strict=True):
         lines.append(
-            f"{clients:>7} | {h.cycles_per_second:>13,.0f} {h.p50_ms:>7.2f} {h.p99_ms:>7.2f} | "
+            f"{clients:>7} | {a.cycles_per_second:>13,.0f} {a.p50_ms:>7.2f} {a.p99_ms:>7.2f} | "
+            f"{k.cycles_per_second:>14,.0f} {k.p50_ms:>7.2f} {k.p99_ms:>7.2f} | "
             f"{p.cycles_per_second:>16,.0f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} | "
-            f"{h.cycles_per_second / p.cycles_per_second:>12.2f}"
+            f"{k.cycles_per_second / a.cycles_per_second:>10.2f} | "
+            f"{k.cycles_per_second / p.cycles_per_second:>13.2f}"
         )
     return "\n".join(lines)
 
@@ -682,26 +719,33 @@ def log(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
-def report(args: argparse.Namespace, setup: list[str], http: list[Result], pg: list[Result]) -> str:
+def report(
+    args: argparse.Namespace, setup: list[str], anon: list[Result], keyed: list[Result], pg: list[Result]
+) -> str:
     lines = [
         "Helix Locks: acquire+release cycles/s and latency, each client cycling on its own key",
         f"  {args.warmup} s warm-up + {args.duration} s measured per level and side;"
         f" {CPUS} CPUs shared by everything",
         *(f"  {line}" for line in setup),
         "",
-        table(args.levels, http, pg),
+        table(args.levels, anon, keyed, pg),
         "",
         f"CPU busy in the measured windows, in cores of {CPUS}:",
     ]
-    for clients, h, p in zip(args.levels, http, pg, strict=True):
+    for clients, a, k, p in zip(args.levels, anon, keyed, pg, strict=True):
         lines.append(
-            f"{clients:>7} clients: HTTP run {h.busy_cpu:.2f} (load generator {h.load_cpu:.2f}),"
+            f"{clients:>7} clients: anon run {a.busy_cpu:.2f} (load generator {a.load_cpu:.2f}),"
+            f" keyed run {k.busy_cpu:.2f} (load generator {k.load_cpu:.2f}),"
             f" pgbench run {p.busy_cpu:.2f} (pgbench itself {p.load_cpu:.2f})"
         )
-    http_failures = sum(result.failures for result in http)
-    pg_failures = sum(result.failures for result in pg)
-    lines += ["", f"failed cycles (non-2xx or no answer): HTTP {http_failures}, pgbench {pg_failures}"]
-    lines += [f"  e.g. {error}" for error in [error for result in http for error in result.errors][:5]]
+    anon_failures, keyed_failures, pg_failures = (sum(r.failures for r in side) for side in (anon, keyed, pg))
+    lines += [
+        "",
+        f"failed cycles (non-2xx or no answer): HTTP anon {anon_failures}, HTTP keyed {keyed_failures},"
+        f" pgbench {pg_failures}",
+    ]
+    errors = [error for result in anon + keyed for error in result.errors]
+    lines += [f"  e.g. {error}" for error in errors[:5]]
     return "\n".join(lines)
 
 
@@ -710,7 +754,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupted)
     # Anything else running skews the numbers on a small machine: say how busy it was.
     setup = [f"load average before the run: {' '.join(f'{value:.2f}' for value in os.getloadavg())}"]
-    http: list[Result] = []
+    anon: list[Result] = []
+    keyed: list[Result] = []
     pg: list[Result] = []
     try:
         with ExitStack() as cleanup:
@@ -733,13 +778,26 @@ def main(argv: list[str] | None = None) -> int:
                 f"HTTP: POST /v1/locks + DELETE /v1/locks/{{id}} to helix-locks serve"
                 f" --workers {args.workers}, from {processes} load process(es) running {client}"
             )
+            setup.append(
+                "HTTP runs: anon (no API key exists yet) at every level, then keyed (an organization key"
+                ' for "bench" sent as Authorization: Bearer on both requests) at every level'
+            )
             setup.append("pgbench: the same two function calls, -M prepared, one transaction per cycle")
+            timing = f"{args.warmup} s warm-up + {args.duration} s"
             for clients in args.levels:
-                log(f"{clients} client(s): HTTP, {args.warmup} s warm-up + {args.duration} s ...")
-                http.append(
-                    run_http(base_url, clients, args.processes, args.warmup, args.duration, args.httpx)
+                log(f"{clients} client(s): HTTP anon, {timing} ...")
+                anon.append(
+                    run_http(base_url, None, clients, args.processes, args.warmup, args.duration, args.httpx)
                 )
-                log(f"{clients} client(s): pgbench, {args.warmup} s warm-up + {args.duration} s ...")
+            key = create_key(url, base_url)
+            log("made an API key for organization bench; anonymous requests now get 401")
+            for clients in args.levels:
+                log(f"{clients} client(s): HTTP keyed, {timing} ...")
+                keyed.append(
+                    run_http(base_url, key, clients, args.processes, args.warmup, args.duration, args.httpx)
+                )
+            for clients in args.levels:
+                log(f"{clients} client(s): pgbench, {timing} ...")
                 pg.append(run_pgbench(url, clients, args.warmup, args.duration, workdir))
     except KeyboardInterrupt:
         log("interrupted; everything it started is stopped and removed")
@@ -750,8 +808,8 @@ def main(argv: list[str] | None = None) -> int:
     except psycopg.Error as exc:
         log(f"database error: {exc}")
         return 1
-    print(report(args, setup, http, pg))
-    failures = sum(result.failures for result in http + pg)
+    print(report(args, setup, anon, keyed, pg))
+    failures = sum(result.failures for result in anon + keyed + pg)
     return 0 if failures == 0 else 1
 
 

@@ -147,11 +147,12 @@ class KeyRing:
     async def _find(self, wanted: str | None) -> StoredKey | None:
         if wanted is None:
             return None
-        stored = self._keys.get(wanted) if self.current else None
-        if stored is None:  # unknown here yet (made a moment ago), or the cache is not current
-            row = await self.db.fetch_optional(queries.KEY_BY_ID, {"id": wanted})
-            stored = StoredKey(**row) if row else None
-        return stored
+        if self.current:
+            # Authoritative: a new key arrives by NOTIFY within milliseconds of its commit, and
+            # made-up keys must not cost a database query each.
+            return self._keys.get(wanted)
+        row = await self.db.fetch_optional(queries.KEY_BY_ID, {"id": wanted})
+        return StoredKey(**row) if row else None
 
     async def _any_keys(self) -> bool:
         if self.current:

@@ -1,6 +1,7 @@
 """Drives a running Helix Locks deployment through its balancer, as scripts/compose-smoke does.
 
-    python3 deploy/smoke/check.py http://127.0.0.1:8080
+    python3 deploy/smoke/check.py http://127.0.0.1:8080            # before any API key exists
+    python3 deploy/smoke/check.py http://127.0.0.1:8080 KEY        # once KEY (an admin key) exists
 
 Standard library only, so it runs before any virtual environment exists. Exits non-zero on the
 first thing that is not as the contract says.
@@ -16,15 +17,22 @@ import urllib.request
 from typing import Any
 
 BASE = sys.argv[1].rstrip("/") if len(sys.argv) > 1 else "http://127.0.0.1:8080"
+KEY = sys.argv[2] if len(sys.argv) > 2 else None
 
 
 def call(
-    method: str, path: str, body: dict[str, Any] | None = None, token: str | None = None
+    method: str,
+    path: str,
+    body: dict[str, Any] | None = None,
+    token: str | None = None,
+    key: str | None = None,
 ) -> tuple[int, Any, Any]:
     """(status, JSON body or None, headers) of one request."""
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Lock-Token"] = token
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(BASE + path, data=data, method=method, headers=headers)
     try:
@@ -46,7 +54,19 @@ def lock(holder: str, ttl: float = 30, job_type: str = "nightly-report") -> dict
     return {"organization_id": "acme", "job_type": job_type, "holder": holder, "ttl_seconds": ttl}
 
 
+def keyed(key: str) -> None:
+    status, _, headers = call("GET", "/v1/locks")
+    expect(status == 401 and headers["WWW-Authenticate"] == "Bearer", "once a key exists, anonymous is 401")
+    status, grant, _ = call("POST", "/v1/locks", lock("keyed-worker", job_type="keyed"), key=key)
+    expect(status == 201, "the admin key acquires")
+    status, _, _ = call("DELETE", f"/v1/locks/{grant['id']}", key=key, token=grant["token"])
+    expect(status == 204, "and releases")
+
+
 def main() -> None:
+    if KEY:
+        keyed(KEY)
+        return
     deadline = time.monotonic() + 120
     while True:
         try:
