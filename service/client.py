@@ -1,0 +1,484 @@
+"""The worker SDK: Helix Locks over HTTP, with a lease that renews itself. Needs httpx only.
+
+    client = LockClient("http://127.0.0.1:8080", api_key="hlk_...")
+    with client.lock("acme", "nightly-report", ttl=30) as lease:
+        for chunk in work():
+            lease.check()                       # raises LockLost once the lock may be gone
+            store(chunk, fence=lease.fencing_token)
+
+A lease counts as lost as soon as a renewal is refused (410, 403, 404), and also when it could
+have lapsed by this process's own monotonic clock: renewals that keep failing never go unnoticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import getpass
+import os
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+# Statuses that mean the lock is no longer ours, whatever we do.
+GONE = (403, 404, 410)
+# A lease is given up this long before it would lapse by our clock (network and clock skew).
+SAFETY_FRACTION = 0.1
+MAX_BACKOFF_SECONDS = 2.0
+
+
+class HelixError(Exception):
+    """Base of the SDK's errors."""
+
+
+class ApiError(HelixError):
+    """The service answered with a problem the SDK does not turn into something more specific."""
+
+    def __init__(self, status: int, problem: Mapping[str, Any]) -> None:
+        super().__init__(f"{status}: {problem.get('detail') or problem.get('title') or 'error'}")
+        self.status = status
+        self.problem = dict(problem)
+
+
+class Unavailable(HelixError):
+    """The service could not be reached, or answered 503, until the retries ran out."""
+
+
+class LockHeld(HelixError):
+    """Another holder has the lock."""
+
+    def __init__(self, problem: Mapping[str, Any], retry_after: float) -> None:
+        super().__init__(f"held by {problem.get('holder')} until {problem.get('expires_at')}")
+        self.lock_id: int | None = problem.get("lock_id")
+        self.holder: str | None = problem.get("holder")
+        self.expires_at: str | None = problem.get("expires_at")
+        self.retry_after = retry_after
+
+
+class LockLost(HelixError):
+    """The lock is no longer held: it ended, was reclaimed or forced, or may have lapsed."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """An acquired lock: the service's lock object, plus the token that proves ownership."""
+
+    id: int
+    organization_id: str
+    job_type: str
+    fencing_token: int
+    token: str
+    ttl: float
+    # This process's monotonic clock when the acquire was sent: the lease is counted from there.
+    sent_at: float = field(repr=False)
+    body: dict[str, Any] = field(repr=False)
+
+
+def default_holder() -> str:
+    """user@host:pid, so that a human can tell whose worker holds a lock."""
+    return f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}"
+
+
+def _retry_after(response: httpx.Response, fallback: float) -> float:
+    try:
+        return max(0.0, float(response.headers.get("retry-after", fallback)))
+    except ValueError:
+        return fallback
+
+
+def _problem(response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        return {"detail": response.text[:200]}
+    return body if isinstance(body, dict) else {"detail": str(body)}
+
+
+def _raise_for(response: httpx.Response, holding: bool) -> None:
+    """Problems as exceptions; `holding`: the request acts on a lock we hold (renew, release)."""
+    if response.status_code < 400:
+        return
+    problem = _problem(response)
+    if response.status_code == 409:
+        raise LockHeld(problem, _retry_after(response, 1.0))
+    if response.status_code == 410 or (holding and response.status_code in GONE):
+        raise LockLost(f"{response.status_code}: {problem.get('detail', '')}".strip())
+    raise ApiError(response.status_code, problem)
+
+
+def _is_retryable(error: BaseException | None, response: httpx.Response | None, method: str) -> bool:
+    """Network trouble or 503; a POST is re-sent only if it surely never reached the service."""
+    if response is not None:
+        return response.status_code == 503
+    if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+        return True
+    return method != "POST" and isinstance(error, httpx.TransportError)
+
+
+def _backoff(attempt: int, response: httpx.Response | None) -> float:
+    pause = min(MAX_BACKOFF_SECONDS, 0.05 * 2**attempt)
+    return _retry_after(response, pause) if response is not None else pause
+
+
+def _acquire_body(
+    organization_id: str, job_type: str, ttl: float, holder: str | None, metadata: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "organization_id": organization_id,
+        "job_type": job_type,
+        "holder": holder or default_holder(),
+        "ttl_seconds": ttl,
+    }
+    if metadata is not None:
+        body["metadata"] = dict(metadata)
+    return body
+
+
+def _grant(body: dict[str, Any], ttl: float, sent_at: float) -> Grant:
+    return Grant(
+        id=body["id"],
+        organization_id=body["organization_id"],
+        job_type=body["job_type"],
+        fencing_token=body["fencing_token"],
+        token=body["token"],
+        ttl=ttl,
+        sent_at=sent_at,
+        body=body,
+    )
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class Lease:
+    """A held lock, renewed in the background; shared by the sync and async clients."""
+
+    def __init__(self, grant: Grant) -> None:
+        self.grant = grant
+        self.fencing_token = grant.fencing_token
+        self._deadline = grant.sent_at + grant.ttl  # by our monotonic clock, from the request's start
+        self._lost_reason: str | None = None
+
+    @property
+    def safety(self) -> float:
+        return max(0.1, self.grant.ttl * SAFETY_FRACTION)
+
+    @property
+    def remaining(self) -> float:
+        """Seconds until the lease could lapse by our clock, less the safety margin."""
+        return self._deadline - self.safety - time.monotonic()
+
+    @property
+    def lost(self) -> bool:
+        return self._lost_reason is not None or self.remaining <= 0
+
+    def check(self) -> None:
+        """Raise LockLost unless the lock is surely still ours."""
+        reason = self.lost_reason
+        if reason is not None:
+            raise LockLost(reason)
+
+    @property
+    def lost_reason(self) -> str | None:
+        if self._lost_reason is None and self.remaining <= 0:
+            return "the lease may have lapsed: renewals did not succeed in time"
+        return self._lost_reason
+
+    def _renewed(self, started: float) -> None:
+        self._deadline = started + self.grant.ttl
+
+    def _lose(self, reason: str) -> None:
+        if self._lost_reason is None:
+            self._lost_reason = reason
+
+
+class LockClient:
+    """A synchronous client. URL and key default to HELIX_LOCKS_URL and HELIX_LOCKS_API_KEY."""
+
+    def __init__(
+        self, base_url: str | None = None, api_key: str | None = None, timeout: float = 10.0
+    ) -> None:
+        self.base_url = (base_url or os.environ.get("HELIX_LOCKS_URL") or DEFAULT_URL).rstrip("/")
+        key = api_key or os.environ.get("HELIX_LOCKS_API_KEY")
+        self.http = httpx.Client(base_url=self.base_url, headers=_headers(key), timeout=timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> LockClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(
+        self, method: str, path: str, *, within: float = 10.0, holding: bool = False, **kwargs: Any
+    ) -> httpx.Response:
+        """One request, retried on network trouble and 503 for at most `within` seconds."""
+        deadline = time.monotonic() + within
+        attempt = 0
+        while True:
+            response, error = None, None
+            try:
+                response = self.http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                error = exc
+            if not _is_retryable(error, response, method):
+                if error is not None:
+                    raise Unavailable(str(error)) from error
+                assert response is not None
+                _raise_for(response, holding)
+                return response
+            pause = _backoff(attempt, response)
+            if time.monotonic() + pause > deadline:
+                raise Unavailable(f"no answer from {self.base_url} within {within:.1f} s") from error
+            time.sleep(pause)
+            attempt += 1
+
+    def acquire(
+        self,
+        organization_id: str,
+        job_type: str,
+        ttl: float = 30,
+        holder: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        wait: float = 0,
+    ) -> Grant:
+        """Acquire, or LockHeld. With `wait`, a held lock is tried again as its Retry-After says,
+        for up to that many seconds (until the service waits itself, issue 6)."""
+        body = _acquire_body(organization_id, job_type, ttl, holder, metadata)
+        give_up = time.monotonic() + wait
+        while True:
+            started = time.monotonic()
+            try:
+                response = self._send("POST", "/v1/locks", json=body, within=max(ttl * 0.5, 1.0))
+                return _grant(response.json(), ttl, started)
+            except LockHeld as held:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(min(max(held.retry_after, 0.05), left))
+
+    def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
+        response = self._send(
+            "POST",
+            f"/v1/locks/{lock_id}/renew",
+            json={"ttl_seconds": ttl},
+            headers={"Lock-Token": token},
+            within=within,
+            holding=True,
+        )
+        renewed: dict[str, Any] = response.json()
+        return renewed
+
+    def release(self, lock_id: int, token: str) -> None:
+        """Release; LockLost if the lock had already ended (it was not ours any more)."""
+        self._send("DELETE", f"/v1/locks/{lock_id}", headers={"Lock-Token": token}, holding=True)
+
+    def get(self, lock_id: int) -> dict[str, Any]:
+        found: dict[str, Any] = self._send("GET", f"/v1/locks/{lock_id}").json()
+        return found
+
+    def list(self, **params: Any) -> dict[str, Any]:
+        page: dict[str, Any] = self._send("GET", "/v1/locks", params=params).json()
+        return page
+
+    def current(self, organization_id: str, job_type: str) -> dict[str, Any] | None:
+        """The lock held now for the key, or None."""
+        params = {"organization_id": organization_id, "job_type": job_type}
+        try:
+            held: dict[str, Any] = self._send("GET", "/v1/locks/current", params=params).json()
+        except ApiError as exc:
+            if exc.status == 404:  # none is held
+                return None
+            raise
+        return held
+
+    @contextlib.contextmanager
+    def lock(
+        self,
+        organization_id: str,
+        job_type: str,
+        ttl: float = 30,
+        holder: str | None = None,
+        wait: float = 0,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Iterator[Lease]:
+        """Hold the lock for the block: renewed every ttl/3 in a thread, released at the end."""
+        grant = self.acquire(organization_id, job_type, ttl, holder, metadata, wait)
+        lease = Lease(grant)
+        stop = threading.Event()
+        renewer = threading.Thread(
+            target=self.keep_alive, args=(lease, stop), daemon=True, name="helix-renew"
+        )
+        renewer.start()
+        try:
+            yield lease
+        finally:
+            stop.set()
+            renewer.join()
+            if not lease.lost:
+                with contextlib.suppress(HelixError):
+                    self.release(grant.id, grant.token)
+
+    def keep_alive(self, lease: Lease, stop: threading.Event) -> None:
+        """Renew every ttl/3 until `stop` is set or the lease is lost (it says which)."""
+        while not stop.wait(lease.grant.ttl / 3):
+            started = time.monotonic()
+            try:
+                self.renew(
+                    lease.grant.id, lease.grant.token, lease.grant.ttl, within=max(lease.remaining, 0.1)
+                )
+                lease._renewed(started)
+            except LockLost as exc:
+                lease._lose(str(exc))
+                return
+            except HelixError:
+                if lease.lost:  # retried until the lease could lapse: it is lost
+                    lease._lose("renewals failed until the lease could lapse")
+                    return
+
+
+class AsyncLockClient:
+    """The asyncio twin of LockClient."""
+
+    def __init__(
+        self, base_url: str | None = None, api_key: str | None = None, timeout: float = 10.0
+    ) -> None:
+        self.base_url = (base_url or os.environ.get("HELIX_LOCKS_URL") or DEFAULT_URL).rstrip("/")
+        key = api_key or os.environ.get("HELIX_LOCKS_API_KEY")
+        self.http = httpx.AsyncClient(base_url=self.base_url, headers=_headers(key), timeout=timeout)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> AsyncLockClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _send(
+        self, method: str, path: str, *, within: float = 10.0, holding: bool = False, **kwargs: Any
+    ) -> httpx.Response:
+        deadline = time.monotonic() + within
+        attempt = 0
+        while True:
+            response, error = None, None
+            try:
+                response = await self.http.request(method, path, **kwargs)
+            except httpx.TransportError as exc:
+                error = exc
+            if not _is_retryable(error, response, method):
+                if error is not None:
+                    raise Unavailable(str(error)) from error
+                assert response is not None
+                _raise_for(response, holding)
+                return response
+            pause = _backoff(attempt, response)
+            if time.monotonic() + pause > deadline:
+                raise Unavailable(f"no answer from {self.base_url} within {within:.1f} s") from error
+            await asyncio.sleep(pause)
+            attempt += 1
+
+    async def acquire(
+        self,
+        organization_id: str,
+        job_type: str,
+        ttl: float = 30,
+        holder: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        wait: float = 0,
+    ) -> Grant:
+        body = _acquire_body(organization_id, job_type, ttl, holder, metadata)
+        give_up = time.monotonic() + wait
+        while True:
+            started = time.monotonic()
+            try:
+                response = await self._send("POST", "/v1/locks", json=body, within=max(ttl * 0.5, 1.0))
+                return _grant(response.json(), ttl, started)
+            except LockHeld as held:
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    raise
+                await asyncio.sleep(min(max(held.retry_after, 0.05), left))
+
+    async def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
+        response = await self._send(
+            "POST",
+            f"/v1/locks/{lock_id}/renew",
+            json={"ttl_seconds": ttl},
+            headers={"Lock-Token": token},
+            within=within,
+            holding=True,
+        )
+        renewed: dict[str, Any] = response.json()
+        return renewed
+
+    async def release(self, lock_id: int, token: str) -> None:
+        await self._send("DELETE", f"/v1/locks/{lock_id}", headers={"Lock-Token": token}, holding=True)
+
+    async def get(self, lock_id: int) -> dict[str, Any]:
+        found: dict[str, Any] = (await self._send("GET", f"/v1/locks/{lock_id}")).json()
+        return found
+
+    async def list(self, **params: Any) -> dict[str, Any]:
+        page: dict[str, Any] = (await self._send("GET", "/v1/locks", params=params)).json()
+        return page
+
+    async def current(self, organization_id: str, job_type: str) -> dict[str, Any] | None:
+        params = {"organization_id": organization_id, "job_type": job_type}
+        try:
+            held: dict[str, Any] = (await self._send("GET", "/v1/locks/current", params=params)).json()
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return held
+
+    @contextlib.asynccontextmanager
+    async def lock(
+        self,
+        organization_id: str,
+        job_type: str,
+        ttl: float = 30,
+        holder: str | None = None,
+        wait: float = 0,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[Lease]:
+        grant = await self.acquire(organization_id, job_type, ttl, holder, metadata, wait)
+        lease = Lease(grant)
+        renewer = asyncio.create_task(self._keep(lease), name="helix-renew")
+        try:
+            yield lease
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            if not lease.lost:
+                with contextlib.suppress(HelixError):
+                    await self.release(grant.id, grant.token)
+
+    async def _keep(self, lease: Lease) -> None:
+        while True:
+            await asyncio.sleep(lease.grant.ttl / 3)
+            started = time.monotonic()
+            try:
+                await self.renew(
+                    lease.grant.id, lease.grant.token, lease.grant.ttl, within=max(lease.remaining, 0.1)
+                )
+                lease._renewed(started)
+            except LockLost as exc:
+                lease._lose(str(exc))
+                return
+            except HelixError:
+                if lease.lost:
+                    lease._lose("renewals failed until the lease could lapse")
+                    return

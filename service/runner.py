@@ -1,0 +1,109 @@
+"""`helix-locks run`: hold a lock while a command runs; stop the command before the lease could lapse.
+
+The command runs in a process group of its own, so that stopping it stops everything it started
+(a shell wrapper's children included). Exit statuses: the command's own, or 128+N if signal N
+ended it; EXIT_HELD when another holder has the lock; EXIT_LOST when the lock was lost and the
+command stopped; EXIT_UNAVAILABLE when the service could not be reached to acquire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import FrameType
+
+from service.client import HelixError, Lease, LockClient, LockHeld, LockLost
+
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE
+EXIT_HELD = 75  # EX_TEMPFAIL: try again later
+EXIT_LOST = 76  # the lock was lost while the command ran; the command was stopped
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+POLL_SECONDS = 0.05
+
+
+def say(message: str) -> None:
+    print(f"helix-locks run: {message}", file=sys.stderr, flush=True)
+
+
+def signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signum)
+
+
+def grace_seconds(ttl: float) -> float:
+    """How long the command gets between SIGTERM and SIGKILL when the lock is being lost."""
+    return min(5.0, max(0.2, ttl * 0.2))
+
+
+def stop_before_lapse(process: subprocess.Popen[bytes], lease: Lease, grace: float) -> None:
+    """SIGTERM the group now; SIGKILL it after the grace, or sooner if the lease would lapse."""
+    signal_group(process, signal.SIGTERM)
+    kill_at = time.monotonic() + grace
+    while process.poll() is None and time.monotonic() < kill_at and lease.remaining > 0:
+        time.sleep(POLL_SECONDS)
+    signal_group(process, signal.SIGKILL)
+    process.wait()
+
+
+def run(
+    client: LockClient, organization_id: str, job_type: str, ttl: float, wait: float, command: list[str]
+) -> int:
+    try:
+        grant = client.acquire(organization_id, job_type, ttl, wait=wait)
+    except LockHeld as held:
+        say(f"{organization_id}/{job_type} is held by {held.holder} until {held.expires_at}")
+        return EXIT_HELD
+    except HelixError as exc:
+        say(f"could not acquire: {exc}")
+        return EXIT_UNAVAILABLE
+    lease = Lease(grant)
+    stop = threading.Event()
+    renewer = threading.Thread(target=client.keep_alive, args=(lease, stop), daemon=True)
+    renewer.start()
+    try:
+        process = subprocess.Popen(command, start_new_session=True)
+    except OSError as exc:
+        say(f"cannot run {command[0]}: {exc}")
+        stop.set()
+        client.release(grant.id, grant.token)
+        return 127
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        signal_group(process, signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
+    grace = grace_seconds(ttl)
+    lost = False
+    try:
+        while process.poll() is None:
+            definitive = lease.lost_reason is not None and lease.remaining > 0
+            if definitive or lease.remaining <= grace:
+                say(f"lock lost ({lease.lost_reason or 'renewals are failing'}): stopping the command")
+                lost = True
+                stop_before_lapse(process, lease, grace)
+                break
+            time.sleep(POLL_SECONDS)
+        status = process.returncode
+        # Whatever the command left running in its group must not outlive the lock.
+        signal_group(process, signal.SIGTERM)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        stop.set()
+        renewer.join()
+    if not lost and not lease.lost:
+        try:
+            client.release(grant.id, grant.token)
+        except LockLost as exc:
+            say(f"the lock had been lost before the command ended: {exc}")
+            return EXIT_LOST
+        except HelixError as exc:
+            say(f"could not release (the lease will lapse by itself): {exc}")
+    if lost or lease.lost:
+        return EXIT_LOST
+    return status if status >= 0 else 128 - status

