@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, Security
+from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from service import migrate
-from service.errors import InvalidArgument, LockNotFound
+from service import migrate, problems
+from service.errors import (
+    DatabaseUnavailable,
+    Forbidden,
+    InvalidArgument,
+    LockEnded,
+    LockHeld,
+    LockNotFound,
+    SchemaNotReady,
+    TokenMismatch,
+    Unauthenticated,
+)
 from service.keys import Caller, KeyRing
 from service.locks import Locks, State
 from service.schemas import (
@@ -59,14 +72,96 @@ LockId = Annotated[int, Depends(lock_id)]
 LockToken = Annotated[str, Header(alias="Lock-Token", description="The token the acquire returned.")]
 
 
-def _problems(*statuses: int) -> dict[int | str, dict[str, object]]:
-    return {status: {"model": Problem, "content": {"application/problem+json": {}}} for status in statuses}
+# Each problem a route may answer, by kind: when it comes, and an example made by problems.py itself.
+_EXPIRES, _ENDED = (
+    datetime(2026, 11, 30, 2, 44, 52, 375915, UTC),
+    datetime(2026, 11, 30, 2, 45, 3, 512204, UTC),
+)
+PROBLEM_DOCS: dict[str, tuple[str, JSONResponse]] = {
+    "unauthenticated": (
+        "The API key is missing, unknown or revoked.",
+        problems.from_error(Unauthenticated("The API key is unknown or revoked.")),
+    ),
+    "forbidden": (
+        "The API key may not do this: another organization, or force without an admin key.",
+        problems.from_error(Forbidden("This API key acts only in organization acme.")),
+    ),
+    "token-mismatch": (
+        "The Lock-Token does not match this lock, whatever its state.",
+        problems.from_error(TokenMismatch()),
+    ),
+    "lock-not-found": ("No such lock for this caller.", problems.from_error(LockNotFound())),
+    "lock-held": (
+        "A live lock holds this organization and job type; Retry-After: whole seconds until it expires.",
+        problems.from_error(LockHeld(1, "worker-7@host-3", _EXPIRES, 30)),
+    ),
+    "lock-ended": (
+        "The lock had already ended (released, reclaimed or forced): its holder no longer owns it.",
+        problems.from_error(LockEnded(1, "reclaimed", _ENDED)),
+    ),
+    "body-too-large": (
+        "The request body is over 64 KiB.",
+        problems.problem(
+            413, "body-too-large", "Request body too large", "A request body may be at most 65536 bytes."
+        ),
+    ),
+    "invalid-request": (
+        "A parameter, header or body field is invalid, or the body is not JSON; errors names each.",
+        problems.from_error(InvalidArgument("ttl_seconds", "Input should be less than or equal to 86400")),
+    ),
+    "database-unavailable": (
+        "The database cannot be reached; try again after Retry-After.",
+        problems.from_error(DatabaseUnavailable("connection refused")),
+    ),
+    "not-migrated": (
+        "The database schema lacks this build's migrations.",
+        problems.from_error(SchemaNotReady("migrations not applied: 0004_api_keys")),
+    ),
+    "internal-error": ("Any other error, such as a failure of the service.", problems.internal()),
+}
+_HEADERS = {
+    "retry-after": ("Retry-After", "Whole seconds to wait before trying again.", "integer"),
+    "www-authenticate": ("WWW-Authenticate", "Bearer: send an API key.", "string"),
+}
+
+
+def _problems(*kinds: str) -> dict[int | str, dict[str, Any]]:
+    """A route's problem responses, with an example of each kind; `default` stands for any other."""
+    responses: dict[int | str, dict[str, Any]] = {}
+    for kind in (*kinds, "internal-error"):
+        description, example = PROBLEM_DOCS[kind]
+        key = "default" if kind == "internal-error" else example.status_code
+        content = {"schema": {"$ref": "#/components/schemas/Problem"}, "examples": {}}
+        response = responses.setdefault(key, {"model": Problem, "content": {problems.MEDIA_TYPE: content}})
+        response["description"] = f"{response.get('description', '')} {description}".strip()
+        body = json.loads(bytes(example.body))
+        response["content"][problems.MEDIA_TYPE]["examples"][kind] = {"summary": body["title"], "value": body}
+        for header, (name, about, kind_of) in _HEADERS.items():
+            if header in example.headers:
+                response.setdefault("headers", {})[name] = {"description": about, "schema": {"type": kind_of}}
+    return responses
 
 
 router = APIRouter(prefix="/v1", tags=["locks"])
 
 
-@router.post("/locks", status_code=201, responses=_problems(401, 403, 409, 413, 422, 503))
+@router.post(
+    "/locks",
+    status_code=201,
+    summary="Acquire a lock",
+    response_description="The lock, granted to you; Location names it.",
+    responses={
+        201: {"headers": {"Location": {"description": "/v1/locks/{id}", "schema": {"type": "string"}}}},
+        **_problems(
+            "unauthenticated",
+            "forbidden",
+            "lock-held",
+            "body-too-large",
+            "invalid-request",
+            "database-unavailable",
+        ),
+    },
+)
 async def acquire(body: AcquireRequest, locks: LocksDep, caller: CallerDep, response: Response) -> GrantBody:
     """Acquire the lock for (organization_id, job_type), reclaiming it if its lease ran out."""
     grant = await locks.acquire(
@@ -76,7 +171,12 @@ async def acquire(body: AcquireRequest, locks: LocksDep, caller: CallerDep, resp
     return GrantBody.of_grant(grant)
 
 
-@router.get("/locks", responses=_problems(401, 422, 503))
+@router.get(
+    "/locks",
+    summary="List locks",
+    response_description="One page of locks.",
+    responses=_problems("unauthenticated", "invalid-request", "database-unavailable"),
+)
 async def list_locks(
     locks: LocksDep,
     caller: CallerDep,
@@ -86,8 +186,11 @@ async def list_locks(
         State | None,
         Query(description="held or expired (default: both); released or reclaimed read history."),
     ] = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 100,
-    cursor: Annotated[str | None, Query(max_length=2048)] = None,
+    limit: Annotated[int, Query(ge=1, le=500, description="At most this many locks, 1 to 500.")] = 100,
+    cursor: Annotated[
+        str | None,
+        Query(max_length=2048, description="The next_cursor of the previous page, with the same filters."),
+    ] = None,
 ) -> PageBody:
     """Locks not yet released in key order, or ended locks newest first."""
     page = await locks.list(
@@ -96,7 +199,12 @@ async def list_locks(
     return PageBody(items=[LockBody.of(lock) for lock in page.items], next_cursor=page.next_cursor)
 
 
-@router.get("/locks/current", responses=_problems(401, 404, 422, 503))
+@router.get(
+    "/locks/current",
+    summary="The lock held now for a key",
+    response_description="The held lock; check its fencing_token.",
+    responses=_problems("unauthenticated", "lock-not-found", "invalid-request", "database-unavailable"),
+)
 async def current(
     locks: LocksDep, caller: CallerDep, organization_id: Identifier, job_type: Identifier
 ) -> LockBody:
@@ -104,13 +212,32 @@ async def current(
     return LockBody.of(await locks.current(caller, organization_id, job_type))
 
 
-@router.get("/locks/{lock_id}", responses=_problems(401, 404, 503))
+@router.get(
+    "/locks/{lock_id}",
+    summary="Get one lock",
+    response_description="The lock.",
+    responses=_problems("unauthenticated", "lock-not-found", "database-unavailable"),
+)
 async def get_lock(locks: LocksDep, caller: CallerDep, lock_id: LockId) -> LockBody:
     """One lock, in any state."""
     return LockBody.of(await locks.get(caller, lock_id))
 
 
-@router.delete("/locks/{lock_id}", status_code=204, responses=_problems(401, 403, 404, 410, 422, 503))
+@router.delete(
+    "/locks/{lock_id}",
+    status_code=204,
+    summary="Release a lock",
+    response_description="Released (also when its lease had lapsed but nobody had reclaimed it).",
+    responses=_problems(
+        "unauthenticated",
+        "forbidden",
+        "token-mismatch",
+        "lock-not-found",
+        "lock-ended",
+        "invalid-request",
+        "database-unavailable",
+    ),
+)
 async def release(
     locks: LocksDep,
     caller: CallerDep,
@@ -130,7 +257,19 @@ async def release(
     return Response(status_code=204)
 
 
-@router.post("/locks/{lock_id}/renew", responses=_problems(401, 403, 404, 410, 422, 503))
+@router.post(
+    "/locks/{lock_id}/renew",
+    summary="Renew a lease (heartbeat)",
+    response_description="The lock with its new expires_at; lapsed says whether the lease had run out.",
+    responses=_problems(
+        "unauthenticated",
+        "token-mismatch",
+        "lock-not-found",
+        "lock-ended",
+        "invalid-request",
+        "database-unavailable",
+    ),
+)
 async def renew(
     locks: LocksDep, caller: CallerDep, lock_id: LockId, token: LockToken, body: RenewRequest
 ) -> RenewalBody:
@@ -141,13 +280,13 @@ async def renew(
 health = APIRouter(tags=["service"])
 
 
-@health.get("/healthz")
+@health.get("/healthz", summary="Liveness")
 async def healthz() -> dict[str, Literal["ok"]]:
     """The process is alive."""
     return {"status": "ok"}
 
 
-@health.get("/readyz", responses=_problems(503))
+@health.get("/readyz", summary="Readiness", responses=_problems("database-unavailable", "not-migrated"))
 async def readyz(locks: LocksDep) -> dict[str, Literal["ready"]]:
     """The database answers and every migration of this build is applied."""
     await migrate.check_ready(locks.db)

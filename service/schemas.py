@@ -60,7 +60,10 @@ Holder = Annotated[
     str,
     StringConstraints(strict=True, min_length=1, max_length=256),
     AfterValidator(_storable),
-    Field(description="Free text naming the worker for humans, e.g. worker-7@host-3."),
+    Field(
+        description="Free text naming the worker for humans, e.g. worker-7@host-3.",
+        examples=["worker-7@host-3"],
+    ),
 ]
 TtlSeconds = Annotated[
     float,
@@ -70,12 +73,16 @@ TtlSeconds = Annotated[
         le=86400,
         allow_inf_nan=False,
         description="Lease length in seconds, 1 to 86400; fractions are kept to the millisecond.",
+        examples=[30, 2.5],
     ),
 ]
 Metadata = Annotated[
     dict[str, Any] | None,
     AfterValidator(_metadata),
-    Field(description="Any JSON object, at most 8 KiB serialized."),
+    Field(
+        description="Any JSON object, at most 8 KiB serialized; stored and returned as given.",
+        examples=[{"run": "2026-11-30", "attempt": 1}],
+    ),
 ]
 
 
@@ -84,18 +91,74 @@ def ttl_ms(ttl_seconds: float) -> int:
     return round(ttl_seconds * 1000)
 
 
-class AcquireRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+# Realistic values for the examples below, the README's quickstart lock. FastAPI drops null values
+# from objects in the OpenAPI document (fastapi#5559), so an object example has none: a body that
+# must hold a null (a fresh grant's released_at) gets no whole-body example, only field examples.
+_AT = "2026-11-30T02:44:22.375915Z"
+_EXPIRES = "2026-11-30T02:44:52.375915Z"
+_RELEASED_AT = "2026-11-30T02:44:41.020311Z"
+_RECLAIMED_AT = "2026-11-30T02:45:03.512204Z"
+# The cursor after _RELEASED_LOCK in a listing of state=released.
+_CURSOR = "eyJzIjoicmVsZWFzZWQiLCJrIjpbIjIwMjYtMTEtMzBUMDI6NDQ6NDEuMDIwMzExKzAwOjAwIiwxXX0"
+_RELEASED_LOCK: dict[str, Any] = {
+    "id": 1,
+    "organization_id": "acme",
+    "job_type": "nightly-report",
+    "holder": "worker-7@host-3",
+    "fencing_token": 1,
+    "acquired_at": _AT,
+    "expires_at": _EXPIRES,
+    "released_at": _RELEASED_AT,
+    "release_reason": "released",
+    "state": "released",
+    "ttl_remaining_ms": 0,
+    "metadata": {"run": "2026-11-30"},
+}
 
-    organization_id: Identifier
-    job_type: Identifier
+
+class AcquireRequest(BaseModel):
+    """Ask for the lock of one (organization_id, job_type)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "organization_id": "acme",
+                    "job_type": "nightly-report",
+                    "holder": "worker-7@host-3",
+                    "ttl_seconds": 30,
+                    "metadata": {"run": "2026-11-30"},
+                }
+            ]
+        },
+    )
+
+    organization_id: Annotated[
+        Identifier,
+        Field(
+            description="The organization the job runs for; an organization's API key acts only in its own."
+            " 1 to 128 characters of A-Z a-z 0-9 . _ : -, starting with a letter or digit.",
+            examples=["acme"],
+        ),
+    ]
+    job_type: Annotated[
+        Identifier,
+        Field(
+            description="The kind of job; one lock per organization and job type at a time."
+            " 1 to 128 characters of A-Z a-z 0-9 . _ : -, starting with a letter or digit.",
+            examples=["nightly-report"],
+        ),
+    ]
     holder: Holder
     ttl_seconds: TtlSeconds
     metadata: Metadata = None
 
 
 class RenewRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Extend a lease: the new expires_at is database-now + ttl_seconds."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"ttl_seconds": 30}]})
 
     ttl_seconds: TtlSeconds
 
@@ -103,18 +166,43 @@ class RenewRequest(BaseModel):
 class LockBody(BaseModel):
     """A lock in any state; times are RFC 3339 UTC, ttl_remaining_ms is the database's."""
 
-    id: int
-    organization_id: str
-    job_type: str
-    holder: str
-    fencing_token: int
-    acquired_at: datetime
-    expires_at: datetime
-    released_at: datetime | None
-    release_reason: str | None
-    state: State
-    ttl_remaining_ms: int
-    metadata: dict[str, Any] | None
+    model_config = ConfigDict(json_schema_extra={"examples": [_RELEASED_LOCK]})
+
+    id: int = Field(description="The lock's id; opaque to clients, use it as given.", examples=[1])
+    organization_id: str = Field(description="The organization the lock belongs to.", examples=["acme"])
+    job_type: str = Field(description="The job type the lock is for.", examples=["nightly-report"])
+    holder: str = Field(description="The worker that acquired the lock.", examples=["worker-7@host-3"])
+    fencing_token: int = Field(
+        description="Strictly increases with every grant for this organization and job type, never"
+        " reused; pass it to storage so it can refuse a write from a holder that lost the lock.",
+        examples=[1],
+    )
+    acquired_at: datetime = Field(description="When the lock was granted (database clock).", examples=[_AT])
+    expires_at: datetime = Field(
+        description="When the lease runs out unless renewed (database clock); unchanged by a reclaim.",
+        examples=[_EXPIRES],
+    )
+    released_at: datetime | None = Field(
+        description="When the lock ended (released, forced, or reclaimed by the next grant); null while"
+        " it has not.",
+        examples=[None, _RELEASED_AT],
+    )
+    release_reason: str | None = Field(
+        description="How the lock ended: released, reclaimed or forced; null while it has not.",
+        examples=[None, "released", "reclaimed", "forced"],
+    )
+    state: State = Field(
+        description="held: live; expired: lease ran out, the next acquire reclaims it; released or"
+        " reclaimed: ended.",
+        examples=["held"],
+    )
+    ttl_remaining_ms: int = Field(
+        description="Milliseconds of lease left at answer time, by the database clock; 0 once it ran out.",
+        examples=[29998],
+    )
+    metadata: dict[str, Any] | None = Field(
+        description="The metadata given at acquire, or null.", examples=[{"run": "2026-11-30"}]
+    )
 
     @classmethod
     def of(cls, lock: Lock) -> LockBody:
@@ -122,14 +210,30 @@ class LockBody(BaseModel):
 
 
 class ReclaimedBody(BaseModel):
-    lock_id: int
-    holder: str
-    expired_at: datetime
+    """The stale lock that this acquire took over: its lease had run out."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"lock_id": 1, "holder": "worker-7@host-3", "expired_at": _EXPIRES}]}
+    )
+
+    lock_id: int = Field(description="The id of the lock that was reclaimed.", examples=[1])
+    holder: str = Field(description="Who held the reclaimed lock.", examples=["worker-7@host-3"])
+    expired_at: datetime = Field(description="When the reclaimed lock's lease ran out.", examples=[_EXPIRES])
 
 
 class GrantBody(LockBody):
-    token: str = Field(description="The secret that proves ownership; shown only here.")
-    reclaimed: ReclaimedBody | None
+    """A granted lock, with the secret token that proves ownership."""
+
+    model_config = ConfigDict(json_schema_extra=None)  # a fresh grant has nulls: see _RELEASED_LOCK
+
+    token: str = Field(
+        description="The secret that proves ownership; shown only here. Send it as the Lock-Token"
+        " header to renew and release.",
+        examples=["d060e87f866045a4bfda05db1917e1c5"],
+    )
+    reclaimed: ReclaimedBody | None = Field(
+        description="The stale lock this acquire took over, or null when there was none."
+    )
 
     @classmethod
     def of_grant(cls, grant: Grant) -> GrantBody:
@@ -138,7 +242,13 @@ class GrantBody(LockBody):
 
 
 class RenewalBody(LockBody):
-    lapsed: bool = Field(description="The lease had run out, unreclaimed, before this renewal.")
+    """A renewed lock."""
+
+    model_config = ConfigDict(json_schema_extra=None)  # a live lock has nulls: see _RELEASED_LOCK
+
+    lapsed: bool = Field(
+        description="The lease had run out, unreclaimed, before this renewal.", examples=[False]
+    )
 
     @classmethod
     def of_renewal(cls, renewal: Renewal) -> RenewalBody:
@@ -146,22 +256,104 @@ class RenewalBody(LockBody):
 
 
 class PageBody(BaseModel):
-    items: list[LockBody]
-    next_cursor: str | None
+    """One page of a listing."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"items": [_RELEASED_LOCK], "next_cursor": _CURSOR}]}
+    )
+
+    items: list[LockBody] = Field(description="The locks of this page; tokens never appear here.")
+    next_cursor: str | None = Field(
+        description="Pass as cursor for the next page; null when nothing follows (a non-null cursor"
+        " may still lead to an empty last page).",
+        examples=[None, _CURSOR],
+    )
 
 
 class FieldError(BaseModel):
-    field: str
-    message: str
+    """One invalid field of a request."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"field": "ttl_seconds", "message": "Input should be less than or equal to 86400"}]
+        }
+    )
+
+    field: str = Field(
+        description="The field: a body field (dotted when nested), query parameter or header;"
+        " 'body' for a body that is not readable JSON.",
+        examples=["ttl_seconds", "Lock-Token"],
+    )
+    message: str = Field(
+        description="What is wrong with it.", examples=["Input should be less than or equal to 86400"]
+    )
 
 
 class Problem(BaseModel):
-    """An RFC 9457 problem; some problems add fields (lock_id, holder, expires_at, errors…)."""
+    """An RFC 9457 problem (application/problem+json); some problems add the fields below."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "examples": [
+                {
+                    "type": "urn:helix-locks:problem:lock-held",
+                    "title": "Lock held",
+                    "status": 409,
+                    "detail": "A live lock holds this organization and job type.",
+                    "lock_id": 1,
+                    "holder": "worker-7@host-3",
+                    "expires_at": _EXPIRES,
+                },
+                {
+                    "type": "urn:helix-locks:problem:invalid-request",
+                    "title": "Invalid request",
+                    "status": 422,
+                    "detail": "Invalid: job_type, ttl_seconds.",
+                    "errors": [
+                        {"field": "job_type", "message": "Field required"},
+                        {"field": "ttl_seconds", "message": "Input should be less than or equal to 86400"},
+                    ],
+                },
+            ]
+        },
+    )
 
-    type: str
-    title: str
-    status: int
-    detail: str
-    errors: list[FieldError] | None = None
+    type: str = Field(
+        description="The kind of problem, urn:helix-locks:problem:KIND; match on this, not on title.",
+        examples=["urn:helix-locks:problem:lock-held"],
+    )
+    title: str = Field(description="A short summary of the problem kind.", examples=["Lock held"])
+    status: int = Field(description="The HTTP status code.", examples=[409])
+    detail: str = Field(
+        description="What happened, for humans.",
+        examples=["A live lock holds this organization and job type."],
+    )
+    errors: list[FieldError] | None = Field(
+        default=None, description="422 only: each invalid field and what is wrong with it."
+    )
+    lock_id: int | None = Field(
+        default=None, description="409 and 410: the lock concerned (for 409, the live one).", examples=[1]
+    )
+    holder: str | None = Field(
+        default=None, description="409 only: who holds the live lock.", examples=["worker-7@host-3"]
+    )
+    expires_at: datetime | None = Field(
+        default=None,
+        description="409 only: when the live lock's lease runs out unless renewed; Retry-After counts"
+        " the whole seconds until then.",
+        examples=[_EXPIRES],
+    )
+    release_reason: str | None = Field(
+        default=None,
+        description="410 only: how the lock ended: released, reclaimed or forced.",
+        examples=["reclaimed"],
+    )
+    released_at: datetime | None = Field(
+        default=None, description="410 only: when the lock ended.", examples=[_RECLAIMED_AT]
+    )
+    forced_by: str | None = Field(
+        default=None,
+        description="410 only: the id of the admin API key that broke the lock by force, else null.",
+        examples=["3f9a0c1b2d4e"],
+    )

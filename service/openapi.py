@@ -1,0 +1,22 @@
+"""The app's OpenAPI document, checked in as openapi.json: `python -m service.openapi` rewrites it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from service.app import create_app
+from service.settings import Settings
+
+PATH = Path(__file__).resolve().parent.parent / "openapi.json"
+
+
+def document() -> str:
+    """The schema as the app serves it, as stable pretty JSON; building the app does not connect."""
+    schema = create_app(Settings(database_url="postgresql://unused")).openapi()
+    return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+if __name__ == "__main__":
+    PATH.write_text(document(), encoding="utf-8")
+    print(f"wrote {PATH}")
