@@ -76,7 +76,8 @@ def test_a_renewal_refused_with_410_marks_the_lease_lost_at_once(
 ) -> None:
     with (
         running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
-        LockClient(url) as client,client.lock("acme", "job", ttl=1.5) as lease
+        LockClient(url) as client,
+        client.lock("acme", "job", ttl=1.5) as lease,
     ):
         steal(conn, client, "acme", "job")
         deadline = time.monotonic() + 1.5

@@ -1,0 +1,151 @@
+"""The worker examples (examples/curl-worker.sh, examples/node-worker.mjs) against a real service."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+
+from tests.history import Grant, Told, check
+from tests.support import ROOT, running_service
+
+EXAMPLES = {"curl": ROOT / "examples" / "curl-worker.sh", "node": ROOT / "examples" / "node-worker.mjs"}
+KEY = ("acme", "nightly-report")
+LOST = 76  # the examples' documented exit status when their lock was taken away (as helix-locks run's)
+
+
+@contextmanager
+def worker(
+    name: str, base_url: str, tmp_path: Path, settings: Mapping[str, str]
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run one example (its output in tmp_path/NAME.out, its log in NAME.log); killed if left running."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("HELIX_LOCKS_", "WORKER_"))}
+    env = {
+        **inherited,
+        "HELIX_LOCKS_URL": base_url,
+        "WORKER_ORG": KEY[0],
+        "WORKER_JOB_TYPE": KEY[1],
+        "WORKER_HOLDER": f"{name}-worker",
+        **settings,
+    }
+    with (tmp_path / f"{name}.log").open("wb") as log:
+        process = subprocess.Popen(
+            [str(EXAMPLES[name]), str(tmp_path / f"{name}.out")], env=env, stdout=log, stderr=log
+        )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def database_history(db_url: str) -> list[Grant]:
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute(
+            "SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
+            " released_at, release_reason FROM helix_job_locks"
+        ).fetchall()
+    return [Grant(r[0], (r[1], r[2]), r[3], r[4], r[5], r[6], r[7]) for r in rows]
+
+
+def written(path: Path) -> list[Told]:
+    """The examples' output: one line "fencing_token holder lock_id acquired_at" per piece of work."""
+    if not path.exists():
+        return []
+    told = []
+    for line in path.read_text().splitlines():
+        token, _holder, lock_id, acquired_at = line.split()
+        told.append(Told(int(lock_id), KEY, int(token), datetime.fromisoformat(acquired_at)))
+    return told
+
+
+def test_two_examples_working_on_one_key_never_hold_it_at_once(db_url: str, tmp_path: Path) -> None:
+    # Work longer than ttl/3, so that every piece of work is renewed once on the way.
+    settings = {"WORKER_TTL": "1", "WORKER_ITERATIONS": "5", "WORKER_WORK_SECONDS": "0.4"}
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "serve.log") as (url, _),
+        ExitStack() as stack,
+    ):
+        workers = {name: stack.enter_context(worker(name, url, tmp_path, settings)) for name in EXAMPLES}
+        statuses = {name: process.wait(timeout=30) for name, process in workers.items()}
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in EXAMPLES}
+    assert statuses == {"curl": 0, "node": 0}, logs
+
+    outputs = {name: written(tmp_path / f"{name}.out") for name in EXAMPLES}
+    grants = database_history(db_url)
+    told = [grant for writes in outputs.values() for grant in writes]
+    violations = check(grants, told, [])
+    assert violations == [], "\n".join(violations)
+    for name, writes in outputs.items():
+        tokens = [grant.fencing_token for grant in writes]
+        assert len(tokens) == 5 and tokens == sorted(set(tokens)), (name, tokens)
+    # Every grant was written once and released by its holder: no lease ran out, nothing lapsed.
+    assert sorted(grant.lock_id for grant in told) == sorted(grant.lock_id for grant in grants)
+    assert {grant.release_reason for grant in grants} == {"released"}
+    # They did contend: one of them was told the lock was held, and waited.
+    assert any("lock held by" in log for log in logs.values()), logs
+    # Both renewed their locks while working (the service's access log names each renewed lock).
+    renewed = {
+        int(lock_id)
+        for lock_id in re.findall(
+            r'"POST /v1/locks/(\d+)/renew HTTP/1.1" 200', (tmp_path / "serve.log").read_text()
+        )
+    }
+    for name, writes in outputs.items():
+        assert renewed & {grant.lock_id for grant in writes}, f"{name} never renewed its lock"
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_an_example_whose_lock_is_taken_away_stops_with_its_lost_status(
+    name: str, db_url: str, tmp_path: Path
+) -> None:
+    settings = {"WORKER_TTL": "2", "WORKER_ITERATIONS": "1", "WORKER_WORK_SECONDS": "60"}
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "serve.log") as (url, _),
+        worker(name, url, tmp_path, settings) as process,
+        psycopg.connect(db_url, autocommit=True) as conn,
+    ):
+        current = f"{url}/v1/locks/current?organization_id={KEY[0]}&job_type={KEY[1]}"
+        deadline = time.monotonic() + 10
+        while (held := httpx.get(current, timeout=5)).status_code == 404:
+            assert process.poll() is None and time.monotonic() < deadline, "the worker took no lock"
+            time.sleep(0.05)
+        assert held.status_code == 200, held.text
+        victim = held.json()["id"]
+
+        # Its lease runs out (as if the worker had stalled) and another worker reclaims it. The
+        # worker may renew the lapsed lease in between, so expire it again until the reclaim wins.
+        for _ in range(10):
+            conn.execute(
+                "UPDATE helix_job_locks SET expires_at = clock_timestamp() - interval '1 ms',"
+                " acquired_at = acquired_at - interval '1 hour' WHERE released_at IS NULL"
+            )
+            body = {"organization_id": KEY[0], "job_type": KEY[1], "holder": "thief", "ttl_seconds": 30}
+            thief = httpx.post(f"{url}/v1/locks", json=body, timeout=5)
+            if thief.status_code != 409:
+                break
+        assert thief.status_code == 201, thief.text
+        assert thief.json()["reclaimed"]["lock_id"] == victim
+
+        status = process.wait(timeout=10)  # its next renewal, within ttl/3, answers 410
+    log = (tmp_path / f"{name}.log").read_text()
+    assert status == LOST, log
+    assert "410" in log, log
+    assert written(tmp_path / f"{name}.out") == [], "it finished the work of a lock it had lost"
+    with psycopg.connect(db_url) as conn:
+        rows = {
+            row[0]: row[1:]
+            for row in conn.execute("SELECT id, release_reason, holder FROM helix_job_locks").fetchall()
+        }
+    # It did not release the lock it lost, and the thief's lock stands.
+    assert rows == {victim: ("reclaimed", f"{name}-worker"), thief.json()["id"]: (None, "thief")}
