@@ -162,10 +162,31 @@ router = APIRouter(prefix="/v1", tags=["locks"])
         ),
     },
 )
-async def acquire(body: AcquireRequest, locks: LocksDep, caller: CallerDep, response: Response) -> GrantBody:
+async def acquire(
+    body: AcquireRequest,
+    locks: LocksDep,
+    caller: CallerDep,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            alias="Idempotency-Key",
+            pattern=r"^[\x21-\x7e]{1,255}$",
+            description="Repeat an acquire with the same key while its lock is live, and get the same "
+            "lock and token back (201), not 409: for retries after a lost answer. 1 to 255 visible "
+            "ASCII characters; scoped to the organization and job type, ending with the lock.",
+        ),
+    ] = None,
+) -> GrantBody:
     """Acquire the lock for (organization_id, job_type), reclaiming it if its lease ran out."""
     grant = await locks.acquire(
-        caller, body.organization_id, body.job_type, body.holder, ttl_ms(body.ttl_seconds), body.metadata
+        caller,
+        body.organization_id,
+        body.job_type,
+        body.holder,
+        ttl_ms(body.ttl_seconds),
+        body.metadata,
+        idempotency_key,
     )
     response.headers["Location"] = f"/v1/locks/{grant.lock.id}"
     return GrantBody.of_grant(grant)

@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,13 +113,14 @@ def _raise_for(response: httpx.Response, holding: bool) -> None:
     raise ApiError(response.status_code, problem)
 
 
-def _is_retryable(error: BaseException | None, response: httpx.Response | None, method: str) -> bool:
-    """Network trouble or 503; a POST is re-sent only if it surely never reached the service."""
+def _is_retryable(error: BaseException | None, response: httpx.Response | None, idempotent: bool) -> bool:
+    """Network trouble or 503. A request that is not idempotent (a POST without an
+    Idempotency-Key) is re-sent only if it surely never reached the service."""
     if response is not None:
         return response.status_code == 503
     if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
         return True
-    return method != "POST" and isinstance(error, httpx.TransportError)
+    return idempotent and isinstance(error, httpx.TransportError)
 
 
 def _backoff(attempt: int, response: httpx.Response | None) -> float:
@@ -230,7 +232,8 @@ class LockClient:
                 response = self.http.request(method, path, **kwargs)
             except httpx.TransportError as exc:
                 error = exc
-            if not _is_retryable(error, response, method):
+            idempotent = method != "POST" or holding or "Idempotency-Key" in kwargs.get("headers", {})
+            if not _is_retryable(error, response, idempotent):
                 if error is not None:
                     raise Unavailable(str(error)) from error
                 assert response is not None
@@ -254,11 +257,14 @@ class LockClient:
         """Acquire, or LockHeld. With `wait`, a held lock is tried again as its Retry-After says,
         for up to that many seconds (until the service waits itself, issue 6)."""
         body = _acquire_body(organization_id, job_type, ttl, holder, metadata)
+        headers = {"Idempotency-Key": uuid.uuid4().hex}  # so that a retry never locks us out
         give_up = time.monotonic() + wait
         while True:
             started = time.monotonic()
             try:
-                response = self._send("POST", "/v1/locks", json=body, within=max(ttl * 0.5, 1.0))
+                response = self._send(
+                    "POST", "/v1/locks", json=body, headers=headers, within=max(ttl * 0.5, 1.0)
+                )
                 return _grant(response.json(), ttl, started)
             except LockHeld as held:
                 left = give_up - time.monotonic()
@@ -376,7 +382,8 @@ class AsyncLockClient:
                 response = await self.http.request(method, path, **kwargs)
             except httpx.TransportError as exc:
                 error = exc
-            if not _is_retryable(error, response, method):
+            idempotent = method != "POST" or holding or "Idempotency-Key" in kwargs.get("headers", {})
+            if not _is_retryable(error, response, idempotent):
                 if error is not None:
                     raise Unavailable(str(error)) from error
                 assert response is not None
@@ -398,11 +405,14 @@ class AsyncLockClient:
         wait: float = 0,
     ) -> Grant:
         body = _acquire_body(organization_id, job_type, ttl, holder, metadata)
+        headers = {"Idempotency-Key": uuid.uuid4().hex}
         give_up = time.monotonic() + wait
         while True:
             started = time.monotonic()
             try:
-                response = await self._send("POST", "/v1/locks", json=body, within=max(ttl * 0.5, 1.0))
+                response = await self._send(
+                    "POST", "/v1/locks", json=body, headers=headers, within=max(ttl * 0.5, 1.0)
+                )
                 return _grant(response.json(), ttl, started)
             except LockHeld as held:
                 left = give_up - time.monotonic()

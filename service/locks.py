@@ -127,7 +127,10 @@ class Locks:
         holder: str,
         ttl_ms: int,
         metadata: dict[str, Any] | None,
+        idempotency_key: str | None = None,
     ) -> Grant:
+        """Grant the lock, or raise LockHeld. A repeat with the same idempotency key, while the
+        lock it got is live, answers that same grant."""
         if caller.scope not in (None, organization_id):
             raise Forbidden(f"This API key acts only in organization {caller.scope}.")
         row = await self.db.fetch_first(
@@ -138,6 +141,7 @@ class Locks:
                 "holder": holder,
                 "ttl_ms": ttl_ms,
                 "metadata": None if metadata is None else Jsonb(metadata),
+                "idempotency_key": idempotency_key,
             },
         )
         reclaimed = None

@@ -26,7 +26,9 @@ ACQUIRE = (
     "SELECT "
     + LOCK
     + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at
-FROM helix_acquire_job_lock(%(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s)
+FROM helix_acquire_job_lock(
+    %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s
+)
 """
 )
 

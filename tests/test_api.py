@@ -448,3 +448,51 @@ async def test_database_unreachable_is_503_with_retry_after_quickly(db_url: str)
             assert_problem(response, 503)
             assert int(response.headers["retry-after"]) >= 1
         assert (await c.get("/healthz")).status_code == 200
+
+
+# --- Idempotency-Key ---------------------------------------------------------------------------
+
+
+async def test_a_repeated_acquire_with_its_idempotency_key_answers_the_same_grant(
+    client: httpx.AsyncClient, conn: Conn
+) -> None:
+    stale = await acquire(client, holder="crashed")
+    expire(conn, stale["id"])
+    key = {"Idempotency-Key": "retry-7f3a"}
+    first = await client.post("/v1/locks", json=lock_body(holder="w1"), headers=key)
+    again = await client.post("/v1/locks", json=lock_body(holder="w1"), headers=key)
+    assert first.status_code == again.status_code == 201
+    for field in ("id", "token", "fencing_token", "acquired_at", "expires_at", "reclaimed"):
+        assert again.json()[field] == first.json()[field]
+    assert again.json()["reclaimed"]["lock_id"] == stale["id"]
+    other_key = await client.post(
+        "/v1/locks", json=lock_body(holder="w2"), headers={"Idempotency-Key": "other"}
+    )
+    assert_problem(other_key, 409)
+    no_key = await client.post("/v1/locks", json=lock_body(holder="w3"))
+    assert_problem(no_key, 409)
+    grants = conn.execute("SELECT count(*) FROM helix_job_locks").fetchone()
+    assert grants == (2,)
+
+
+async def test_an_idempotency_key_ends_with_its_lock_and_is_scoped_to_the_key(
+    client: httpx.AsyncClient, conn: Conn
+) -> None:
+    key = {"Idempotency-Key": "k"}
+    first = (await client.post("/v1/locks", json=lock_body(), headers=key)).json()
+    elsewhere = await client.post("/v1/locks", json=lock_body(organization_id="globex"), headers=key)
+    assert elsewhere.status_code == 201
+    assert elsewhere.json()["id"] != first["id"]
+    await client.delete(f"/v1/locks/{first['id']}", headers={"Lock-Token": first["token"]})
+    after_release = (await client.post("/v1/locks", json=lock_body(), headers=key)).json()
+    assert after_release["id"] != first["id"]
+    expire(conn, after_release["id"])
+    after_expiry = (await client.post("/v1/locks", json=lock_body(), headers=key)).json()
+    assert after_expiry["id"] != after_release["id"]
+    assert after_expiry["reclaimed"]["lock_id"] == after_release["id"]
+
+
+@pytest.mark.parametrize("value", ["", "has space", "x" * 256, "ünï"])
+async def test_a_malformed_idempotency_key_is_422(client: httpx.AsyncClient, value: str) -> None:
+    response = await client.post("/v1/locks", json=lock_body(), headers={"Idempotency-Key": value.encode()})
+    assert assert_problem(response, 422)["errors"][0]["field"] == "Idempotency-Key"
