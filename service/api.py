@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -23,7 +25,7 @@ from service.errors import (
     Unauthenticated,
 )
 from service.keys import Caller, KeyRing
-from service.locks import Locks, State
+from service.locks import Grant, Locks, State
 from service.schemas import (
     AcquireRequest,
     GrantBody,
@@ -35,6 +37,7 @@ from service.schemas import (
     RenewRequest,
     ttl_ms,
 )
+from service.waiting import Waiters
 
 BIGINT_MAX = 2**63 - 1
 
@@ -166,6 +169,7 @@ async def acquire(
     body: AcquireRequest,
     locks: LocksDep,
     caller: CallerDep,
+    request: Request,
     response: Response,
     idempotency_key: Annotated[
         str | None,
@@ -179,17 +183,57 @@ async def acquire(
     ] = None,
 ) -> GrantBody:
     """Acquire the lock for (organization_id, job_type), reclaiming it if its lease ran out."""
-    grant = await locks.acquire(
-        caller,
-        body.organization_id,
-        body.job_type,
-        body.holder,
-        ttl_ms(body.ttl_seconds),
-        body.metadata,
-        idempotency_key,
-    )
+
+    async def attempt() -> Grant:
+        return await locks.acquire(
+            caller,
+            body.organization_id,
+            body.job_type,
+            body.holder,
+            ttl_ms(body.ttl_seconds),
+            body.metadata,
+            idempotency_key,
+        )
+
+    if body.wait_seconds > 0:
+        grant = await _wait_for(request, body, attempt, locks, caller)
+    else:
+        grant = await attempt()
     response.headers["Location"] = f"/v1/locks/{grant.lock.id}"
     return GrantBody.of_grant(grant)
+
+
+async def _wait_for(
+    request: Request,
+    body: AcquireRequest,
+    attempt: Callable[[], Awaitable[Grant]],
+    locks: Locks,
+    caller: Caller,
+) -> Grant:
+    """Acquire, waiting up to wait_seconds; a client that leaves is dropped, any grant it got released."""
+    waiters: Waiters = request.app.state.waiters
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    async def release(grant: Grant) -> None:
+        await locks.release(caller, grant.lock.id, grant.token)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await waiters.acquire(
+            (body.organization_id, body.job_type),
+            body.wait_seconds,
+            attempt,
+            locks.remaining_ms,
+            release,
+            gone,
+        )
+    finally:
+        watcher.cancel()
 
 
 @router.get(

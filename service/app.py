@@ -19,6 +19,7 @@ from service.keys import KeyRing
 from service.listener import Listener
 from service.locks import Locks
 from service.settings import Settings
+from service.waiting import Waiters
 
 MAX_BODY_BYTES = 64 * 1024
 logger = logging.getLogger("helix_locks")
@@ -137,12 +138,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         db = Database(pool, settings.query_deadline_seconds)
         app.state.locks = Locks(db)
         app.state.keys = keys = KeyRing(db, settings.allow_anonymous)
-        keys.listener = listener = Listener(settings.database_url, {queries.KEYS_CHANNEL: keys.reload})
+        app.state.waiters = waiters = Waiters(settings.max_waiters)
+        keys.listener = listener = Listener(
+            settings.database_url,
+            {queries.KEYS_CHANNEL: keys.reload, queries.RELEASED_CHANNEL: waiters.released},
+        )
         await listener.start()
         await keys.start()
         try:
             yield
         finally:
+            waiters.close()
             await listener.stop()
             await keys.stop()
             await pool.close()

@@ -76,5 +76,19 @@ class Forbidden(LockError):
     reason: str
 
 
+@dataclass
+class TooManyWaiters(LockError):
+    """This process already has as many waiting acquires as it allows."""
+
+    limit: int
+
+
+@dataclass
+class WaitInterrupted(LockError):
+    """A waiting acquire ended without an answer: the client left, or the service is stopping."""
+
+    reason: str
+
+
 class EmptyResult(LockError):
     """A function that must return a row returned none: a bug, never a success."""

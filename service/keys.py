@@ -123,7 +123,7 @@ class KeyRing:
         """Whether the cache may be trusted: not while notifications could be missed."""
         return self.listener is not None and self.listener.connected
 
-    async def reload(self, conn: psycopg.AsyncConnection[Any]) -> None:
+    async def reload(self, conn: psycopg.AsyncConnection[Any], payloads: list[str]) -> None:
         """Re-read every key, on the listener's own connection (the pool stays for requests)."""
         cursor = await conn.execute(queries.ALL_KEYS)
         self._keys = {row[0]: StoredKey(*row) for row in await cursor.fetchall()}

@@ -14,8 +14,9 @@ from service import queries
 from service.db import CONNECTION_KWARGS
 
 logger = logging.getLogger("helix_locks")
-# Called with the listening connection, free to run statements on it.
-Callback = Callable[[psycopg.AsyncConnection[Any]], Awaitable[None]]
+# Called with the listening connection (free to run statements on it) and the payloads heard;
+# after a (re)connect, with no payloads: anything may have changed meanwhile.
+Callback = Callable[[psycopg.AsyncConnection[Any], list[str]], Awaitable[None]]
 # How often an idle listener checks that its connection still works.
 PING_SECONDS = 5.0
 RECONNECT_SECONDS = 1.0
@@ -57,13 +58,15 @@ class Listener:
             for channel in self.channels:
                 await conn.execute(queries.LISTEN.format(psycopg.sql.Identifier(channel)))
             for callback in self.channels.values():
-                await callback(conn)
+                await callback(conn, [])
             self.connected = True
             while True:
                 # Callbacks run after the generator ends: it holds the connection's lock, and a
                 # callback may want to run a statement on the same connection.
-                heard = {n.channel async for n in conn.notifies(timeout=PING_SECONDS, stop_after=1)}
-                for channel in heard:
-                    await self.channels[channel](conn)
+                heard: dict[str, list[str]] = {}
+                async for notify in conn.notifies(timeout=PING_SECONDS, stop_after=1):
+                    heard.setdefault(notify.channel, []).append(notify.payload)
+                for channel, payloads in heard.items():
+                    await self.channels[channel](conn, payloads)
                 if not heard:
                     await asyncio.wait_for(conn.execute(queries.PING), PING_SECONDS)

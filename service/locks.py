@@ -151,6 +151,11 @@ class Locks:
             )
         return Grant(Lock.from_row(row), row["token"], reclaimed)
 
+    async def remaining_ms(self, lock_id: int) -> int | None:
+        """Milliseconds until an unreleased lock's lease runs out, by the database clock."""
+        row = await self.db.fetch_optional(queries.REMAINING, {"lock_id": lock_id})
+        return None if row is None else int(row["ttl_remaining_ms"])
+
     async def release(self, caller: Caller, lock_id: int, token: str) -> Lock:
         params = {"lock_id": lock_id, "token": token, "scope": caller.scope}
         return Lock.from_row(await self.db.fetch_first(queries.RELEASE, params))

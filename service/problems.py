@@ -19,7 +19,9 @@ from service.errors import (
     LockNotFound,
     SchemaNotReady,
     TokenMismatch,
+    TooManyWaiters,
     Unauthenticated,
+    WaitInterrupted,
 )
 
 MEDIA_TYPE = "application/problem+json"
@@ -117,6 +119,20 @@ PROBLEMS: Mapping[type[LockError], Callable[[Any], JSONResponse]] = {
         401, "unauthenticated", "Unauthenticated", exc.reason, headers={"WWW-Authenticate": "Bearer"}
     ),
     Forbidden: lambda exc: problem(403, "forbidden", "Forbidden", exc.reason),
+    TooManyWaiters: lambda exc: problem(
+        503,
+        "too-many-waiters",
+        "Too many waiters",
+        f"This service process already has {exc.limit} acquires waiting; try again.",
+        headers={"Retry-After": "1"},
+    ),
+    WaitInterrupted: lambda exc: problem(
+        503,
+        "wait-interrupted",
+        "Wait interrupted",
+        f"The wait ended early: {exc.reason}.",
+        headers={"Retry-After": "1"},
+    ),
     SchemaNotReady: lambda exc: problem(
         503,
         "not-migrated",

@@ -48,6 +48,9 @@ WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope
 """
 )
 
+# How long until a held lock's lease runs out, by the database clock (a waiter's timer).
+REMAINING = "SELECT ttl_remaining_ms FROM helix_job_lock_views WHERE id = %(lock_id)s AND released_at IS NULL"
+
 CURRENT = (
     "SELECT "
     + LOCK
@@ -94,6 +97,8 @@ LIMIT %(limit)s
 
 # API keys (service/keys.py). Changing the table notifies every service process (a trigger).
 KEYS_CHANNEL = "helix_api_keys"
+# Ends of locks (service/waiting.py); payload "organization_id/job_type".
+RELEASED_CHANNEL = "helix_lock_released"
 ALL_KEYS = "SELECT id, organization_id, key_hash, revoked_at IS NOT NULL AS revoked FROM helix_api_keys"
 KEY_BY_ID = (
     "SELECT id, organization_id, key_hash, revoked_at IS NOT NULL AS revoked FROM helix_api_keys"

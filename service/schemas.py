@@ -76,6 +76,19 @@ TtlSeconds = Annotated[
         examples=[30, 2.5],
     ),
 ]
+WaitSeconds = Annotated[
+    float,
+    Field(
+        strict=True,
+        ge=0,
+        le=60,
+        allow_inf_nan=False,
+        description="Wait up to this many seconds for a held lock (0 to 60; default 0: answer 409 at "
+        "once). Granted as soon as the holder releases it or its lease expires; 409 when the wait "
+        "runs out.",
+        examples=[0, 10],
+    ),
+]
 Metadata = Annotated[
     dict[str, Any] | None,
     AfterValidator(_metadata),
@@ -153,6 +166,7 @@ class AcquireRequest(BaseModel):
     holder: Holder
     ttl_seconds: TtlSeconds
     metadata: Metadata = None
+    wait_seconds: WaitSeconds = 0
 
 
 class RenewRequest(BaseModel):

@@ -27,6 +27,8 @@ class Settings(BaseSettings):
     # Serve requests without an API key while no key exists at all. `serve` sets it when it
     # listens on loopback only, or with --insecure; once any key exists, keys are required.
     allow_anonymous: bool = False
+    # Acquires waiting for a held lock (wait_seconds) in one process; beyond it, 503.
+    max_waiters: int = Field(default=10_000, ge=0)
 
     @property
     def query_deadline_seconds(self) -> float:

@@ -494,5 +494,5 @@ async def test_an_idempotency_key_ends_with_its_lock_and_is_scoped_to_the_key(
 
 @pytest.mark.parametrize("value", ["", "has space", "x" * 256, "ünï"])
 async def test_a_malformed_idempotency_key_is_422(client: httpx.AsyncClient, value: str) -> None:
-    response = await client.post("/v1/locks", json=lock_body(), headers={"Idempotency-Key": value.encode()})
+    response = await client.post("/v1/locks", json=lock_body(), headers={b"Idempotency-Key": value.encode()})
     assert assert_problem(response, 422)["errors"][0]["field"] == "Idempotency-Key"

@@ -1,0 +1,164 @@
+"""Acquire requests that wait for a held lock: woken by NOTIFY on release, or by a timer at expiry.
+
+Nothing polls the database while waiting. Within one process the waiters of a key queue in
+arrival order: only the first of them waits for the lock; the others wait for it (an asyncio
+lock, which is fair). Across replicas the order is best effort: whoever retries first wins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+
+from service.errors import LockHeld, TooManyWaiters, WaitInterrupted
+from service.locks import Grant
+
+Key = tuple[str, str]
+# A timer at the holder's expiry fires this much later, so that the lease has surely run out.
+EXPIRY_SLACK_SECONDS = 0.002
+
+
+class _Queue:
+    """The waiters of one key in this process."""
+
+    def __init__(self) -> None:
+        self.turn = asyncio.Lock()  # FIFO: the head of the queue holds it
+        self.wake = asyncio.Event()
+        self.waiters = 0
+
+
+class Waiters:
+    """Every waiting acquire of this process, by key."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+        self.closing = False
+        self._queues: dict[Key, _Queue] = {}
+
+    async def released(self, conn: psycopg.AsyncConnection[Any], payloads: list[str]) -> None:
+        """Listener callback: wake the waiters of each key that ended (every key after a reconnect)."""
+        if not payloads:
+            for every in self._queues.values():
+                every.wake.set()
+        for payload in payloads:
+            organization_id, _, job_type = payload.partition("/")
+            queue = self._queues.get((organization_id, job_type))
+            if queue is not None:
+                queue.wake.set()
+
+    def close(self) -> None:
+        """Shutting down: every waiter answers now."""
+        self.closing = True
+        for queue in self._queues.values():
+            queue.wake.set()
+
+    async def acquire(
+        self,
+        key: Key,
+        wait_seconds: float,
+        attempt: Callable[[], Awaitable[Grant]],
+        remaining_ms: Callable[[int], Awaitable[int | None]],
+        release: Callable[[Grant], Awaitable[None]],
+        gone: asyncio.Event,
+    ) -> Grant:
+        """attempt() until it grants, for up to wait_seconds; LockHeld when the time is up.
+
+        `gone` is set when the client went away: then a grant that came anyway is released at
+        once, through `release`, and WaitInterrupted is raised.
+        """
+        if self.count >= self.limit:
+            raise TooManyWaiters(self.limit)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_seconds
+        queue = self._queues.setdefault(key, _Queue())
+        self.count += 1
+        queue.waiters += 1
+        try:
+            await self._until(queue.turn.acquire(), deadline, gone)
+            try:
+                return await self._wait_in_turn(queue, deadline, attempt, remaining_ms, release, gone)
+            finally:
+                queue.turn.release()
+        except TimeoutError:
+            return await self._last_try(attempt, release, gone)
+        finally:
+            self.count -= 1
+            queue.waiters -= 1
+            if queue.waiters == 0:
+                del self._queues[key]
+
+    async def _wait_in_turn(
+        self,
+        queue: _Queue,
+        deadline: float,
+        attempt: Callable[[], Awaitable[Grant]],
+        remaining_ms: Callable[[int], Awaitable[int | None]],
+        release: Callable[[Grant], Awaitable[None]],
+        gone: asyncio.Event,
+    ) -> Grant:
+        loop = asyncio.get_running_loop()
+        while True:
+            if gone.is_set():
+                raise WaitInterrupted("the client went away")
+            queue.wake.clear()  # before the attempt: a release during it must not be missed
+            try:
+                return await self._granted(await attempt(), release, gone)
+            except LockHeld as held:
+                if self.closing:
+                    raise WaitInterrupted("the service is stopping") from held
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise
+                # Until the holder's lease runs out; None: it just ended, so try again now.
+                expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
+                timer = 0.0 if expiry is None else min(left, expiry / 1000 + EXPIRY_SLACK_SECONDS)
+                try:
+                    await self._until(queue.wake.wait(), loop.time() + timer, gone)
+                except TimeoutError:
+                    if loop.time() >= deadline:
+                        raise held from None  # the wait ran out: 409 with the latest holder
+
+    async def _last_try(
+        self,
+        attempt: Callable[[], Awaitable[Grant]],
+        release: Callable[[Grant], Awaitable[None]],
+        gone: asyncio.Event,
+    ) -> Grant:
+        """The wait ran out before this request's turn came: one attempt, for a current 409."""
+        return await self._granted(await attempt(), release, gone)
+
+    @staticmethod
+    async def _granted(
+        grant: Grant, release: Callable[[Grant], Awaitable[None]], gone: asyncio.Event
+    ) -> Grant:
+        if gone.is_set():
+            await release(grant)
+            raise WaitInterrupted("the client went away; its grant was released")
+        return grant
+
+    async def _until(self, waiting: Awaitable[Any], deadline: float, gone: asyncio.Event) -> None:
+        """Await `waiting` until the deadline (TimeoutError) or until the client is gone."""
+        task = asyncio.ensure_future(waiting)
+        watcher = asyncio.ensure_future(gone.wait())
+        try:
+            timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+            done, _ = await asyncio.wait(
+                {task, watcher}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            watcher.cancel()
+        if task in done:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        if not task.cancelled():
+            return  # it completed as the time ran out: it counts (a turn taken is a turn held)
+        if gone.is_set():
+            raise WaitInterrupted("the client went away")
+        raise TimeoutError

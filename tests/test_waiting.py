@@ -1,0 +1,172 @@
+"""wait_seconds: woken by release (NOTIFY, across processes too) or by expiry, never by polling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from service.app import create_app
+from service.settings import Settings
+from tests.support import running_service
+
+pytestmark = pytest.mark.anyio
+Conn = psycopg.Connection[Any]
+
+
+def body(holder: str, wait: float = 0, ttl: float = 30, job_type: str = "report") -> dict[str, Any]:
+    return {
+        "organization_id": "acme",
+        "job_type": job_type,
+        "holder": holder,
+        "ttl_seconds": ttl,
+        "wait_seconds": wait,
+    }
+
+
+async def grant(client: httpx.AsyncClient, holder: str, **kw: Any) -> dict[str, Any]:
+    response = await client.post("/v1/locks", json=body(holder, **kw))
+    assert response.status_code == 201, response.text
+    granted: dict[str, Any] = response.json()
+    return granted
+
+
+async def release(client: httpx.AsyncClient, lock: dict[str, Any]) -> None:
+    response = await client.delete(f"/v1/locks/{lock['id']}", headers={"Lock-Token": lock["token"]})
+    assert response.status_code == 204
+
+
+async def test_a_waiter_is_granted_as_soon_as_the_holder_releases(client: httpx.AsyncClient) -> None:
+    held = await grant(client, "first")
+    waiter = asyncio.create_task(client.post("/v1/locks", json=body("second", wait=10)))
+    await asyncio.sleep(0.3)
+    assert not waiter.done()
+    released_at = time.monotonic()
+    await release(client, held)
+    response = await waiter
+    assert response.status_code == 201
+    assert time.monotonic() - released_at < 1, "woken by the release, not by a timer"
+    gone = (await client.get(f"/v1/locks/{held['id']}")).json()
+    assert datetime.fromisoformat(response.json()["acquired_at"]) >= datetime.fromisoformat(
+        gone["released_at"]
+    )
+    assert response.json()["fencing_token"] == held["fencing_token"] + 1
+
+
+async def test_a_waiter_is_granted_when_the_lease_expires(client: httpx.AsyncClient) -> None:
+    held = await grant(client, "crashed", ttl=1)
+    started = time.monotonic()
+    response = await client.post("/v1/locks", json=body("next", wait=10))
+    assert response.status_code == 201
+    assert response.json()["reclaimed"]["lock_id"] == held["id"]
+    assert time.monotonic() - started < 2
+
+
+async def test_a_wait_that_runs_out_is_409(client: httpx.AsyncClient) -> None:
+    held = await grant(client, "holder")
+    started = time.monotonic()
+    response = await client.post("/v1/locks", json=body("impatient", wait=0.5))
+    assert response.status_code == 409
+    assert response.json()["holder"] == "holder"
+    assert response.json()["lock_id"] == held["id"]
+    assert 0.5 <= time.monotonic() - started < 2
+
+
+async def test_waiters_in_one_process_are_served_in_arrival_order(client: httpx.AsyncClient) -> None:
+    held = await grant(client, "holder")
+    first = asyncio.create_task(client.post("/v1/locks", json=body("first", wait=10)))
+    await asyncio.sleep(0.2)
+    second = asyncio.create_task(client.post("/v1/locks", json=body("second", wait=10)))
+    await asyncio.sleep(0.2)
+    await release(client, held)
+    got = (await first).json()
+    assert got["holder"] == "first"
+    assert not second.done()
+    await release(client, got)
+    assert (await second).json()["holder"] == "second"
+
+
+async def test_beyond_the_waiter_cap_the_answer_is_503(db_url: str) -> None:
+    app = create_app(Settings(database_url=db_url, allow_anonymous=True, max_waiters=1))
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://t") as c,
+    ):
+        await grant(c, "holder")
+        waiting = asyncio.create_task(c.post("/v1/locks", json=body("one", wait=1)))
+        await asyncio.sleep(0.2)
+        refused = await c.post("/v1/locks", json=body("two", wait=1))
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert (await waiting).status_code == 409
+
+
+def test_a_release_in_one_process_wakes_a_waiter_in_another(db_url: str, tmp_path: Path) -> None:
+    env = {"DATABASE_URL": db_url}
+    with (
+        running_service(env=env, log=tmp_path / "a.log") as (one, _),
+        running_service(env=env, log=tmp_path / "b.log") as (two, _),
+    ):
+        held = httpx.post(f"{one}/v1/locks", json=body("holder"), timeout=10).json()
+
+        def wait_on_two() -> httpx.Response:
+            return httpx.post(f"{two}/v1/locks", json=body("waiter", wait=20), timeout=30)
+
+        async def scenario() -> tuple[httpx.Response, float]:
+            waiter = asyncio.create_task(asyncio.to_thread(wait_on_two))
+            await asyncio.sleep(0.5)
+            released = time.monotonic()
+            url = f"{one}/v1/locks/{held['id']}"
+            await asyncio.to_thread(httpx.delete, url, headers={"Lock-Token": held["token"]}, timeout=10)
+            response = await waiter
+            return response, time.monotonic() - released
+
+        response, latency = asyncio.run(scenario())
+        assert response.status_code == 201
+        assert latency < 1, "woken by NOTIFY from the other process"
+
+
+def test_a_waiter_whose_client_left_does_not_keep_the_lock(db_url: str, tmp_path: Path, conn: Conn) -> None:
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        held = httpx.post(f"{url}/v1/locks", json=body("holder"), timeout=10).json()
+        port = int(url.rsplit(":", 1)[1])
+        payload = json.dumps(body("leaver", wait=20)).encode()
+        with socket.create_connection(("127.0.0.1", port)) as raw:
+            raw.sendall(
+                b"POST /v1/locks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            time.sleep(0.3)
+        time.sleep(0.3)  # the client is gone
+        httpx.delete(f"{url}/v1/locks/{held['id']}", headers={"Lock-Token": held["token"]}, timeout=10)
+        time.sleep(0.5)
+        after = httpx.post(f"{url}/v1/locks", json=body("next"), timeout=10)
+        assert after.status_code == 201, "nobody may hold the lock for a client that left"
+    leaver = conn.execute(
+        "SELECT count(*) FROM helix_job_locks WHERE holder = 'leaver' AND released_at IS NULL"
+    )
+    assert leaver.fetchone() == (0,)
+
+
+async def test_stopping_the_service_answers_waiting_requests(db_url: str) -> None:
+    app = create_app(Settings(database_url=db_url, allow_anonymous=True))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        async with app.router.lifespan_context(app):
+            await grant(c, "holder")
+            waiting = asyncio.create_task(c.post("/v1/locks", json=body("waiter", wait=30)))
+            await asyncio.sleep(0.2)
+            started = time.monotonic()
+        response = await waiting
+        assert response.status_code == 503
+        assert time.monotonic() - started < 2
