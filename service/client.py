@@ -142,7 +142,20 @@ def _acquire_body(
     return body
 
 
+def _wait_round(body: dict[str, Any], give_up: float) -> float:
+    """Set this request's wait_seconds (at most the service's 60) and return it."""
+    left = round(min(max(give_up - time.monotonic(), 0.0), 60.0), 3)
+    if left > 0:
+        body["wait_seconds"] = left
+    else:
+        body.pop("wait_seconds", None)
+    return left
+
+
 def _grant(body: dict[str, Any], ttl: float, sent_at: float) -> Grant:
+    # A grant that waited was made long after the request was sent: count the lease from the
+    # database's own ttl_remaining_ms at its answer (the safety margin covers the way back).
+    sent_at = max(sent_at, time.monotonic() - ttl + body["ttl_remaining_ms"] / 1000)
     return Grant(
         id=body["id"],
         organization_id=body["organization_id"],
@@ -254,23 +267,27 @@ class LockClient:
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0,
     ) -> Grant:
-        """Acquire, or LockHeld. With `wait`, a held lock is tried again as its Retry-After says,
-        for up to that many seconds (until the service waits itself, issue 6)."""
+        """Acquire, or LockHeld. With `wait`, the service waits for a held lock for up to that
+        many seconds (in rounds of at most 60) before answering."""
         body = _acquire_body(organization_id, job_type, ttl, holder, metadata)
         headers = {"Idempotency-Key": uuid.uuid4().hex}  # so that a retry never locks us out
         give_up = time.monotonic() + wait
         while True:
+            waiting = _wait_round(body, give_up)
             started = time.monotonic()
             try:
                 response = self._send(
-                    "POST", "/v1/locks", json=body, headers=headers, within=max(ttl * 0.5, 1.0)
+                    "POST",
+                    "/v1/locks",
+                    json=body,
+                    headers=headers,
+                    within=max(ttl * 0.5, 1.0),
+                    timeout=self.http.timeout.read + waiting if self.http.timeout.read else None,
                 )
                 return _grant(response.json(), ttl, started)
-            except LockHeld as held:
-                left = give_up - time.monotonic()
-                if left <= 0:
+            except LockHeld:
+                if time.monotonic() >= give_up:
                     raise
-                time.sleep(min(max(held.retry_after, 0.05), left))
 
     def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
         response = self._send(
@@ -408,17 +425,21 @@ class AsyncLockClient:
         headers = {"Idempotency-Key": uuid.uuid4().hex}
         give_up = time.monotonic() + wait
         while True:
+            waiting = _wait_round(body, give_up)
             started = time.monotonic()
             try:
                 response = await self._send(
-                    "POST", "/v1/locks", json=body, headers=headers, within=max(ttl * 0.5, 1.0)
+                    "POST",
+                    "/v1/locks",
+                    json=body,
+                    headers=headers,
+                    within=max(ttl * 0.5, 1.0),
+                    timeout=self.http.timeout.read + waiting if self.http.timeout.read else None,
                 )
                 return _grant(response.json(), ttl, started)
-            except LockHeld as held:
-                left = give_up - time.monotonic()
-                if left <= 0:
+            except LockHeld:
+                if time.monotonic() >= give_up:
                     raise
-                await asyncio.sleep(min(max(held.retry_after, 0.05), left))
 
     async def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
         response = await self._send(

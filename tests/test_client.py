@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -192,3 +193,27 @@ def alive(pid: int) -> bool:
     # A zombie is dead too: it only waits to be reaped.
     stat = Path(f"/proc/{pid}/stat")
     return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def test_a_lease_with_wait_is_granted_when_the_holder_releases(db_url: str, tmp_path: Path) -> None:
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
+        holder = client.acquire("acme", "queue", ttl=30)
+        released_at: list[float] = []
+
+        def release_soon() -> None:
+            time.sleep(0.5)
+            client.release(holder.id, holder.token)
+            released_at.append(time.monotonic())
+
+        releaser = threading.Thread(target=release_soon)
+        releaser.start()
+        with LockClient(url) as other, other.lock("acme", "queue", ttl=2, wait=10) as lease:
+            granted = time.monotonic()
+            assert lease.fencing_token == holder.fencing_token + 1
+            assert granted - released_at[0] < 1
+            time.sleep(1.5)  # past most of the lease: it counts from the grant, not from the wait
+            lease.check()
+        releaser.join()
