@@ -262,6 +262,13 @@ def free_port() -> int:
 @contextmanager
 def service(url: str, workers: int, log_path: Path) -> Iterator[str]:
     """`helix-locks serve` on a free port, ready; stopped with SIGTERM on exit. Yields its URL."""
+    with service_process(url, workers, log_path) as (base_url, _):
+        yield base_url
+
+
+@contextmanager
+def service_process(url: str, workers: int, log_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """service(), yielding the process too (with --workers 1 it is the one serving requests)."""
     port = free_port()
     installed = Path(sys.executable).with_name("helix-locks")
     command = [str(installed)] if installed.exists() else [sys.executable, "-m", "service.cli"]
@@ -278,7 +285,7 @@ def service(url: str, workers: int, log_path: Path) -> Iterator[str]:
     try:
         base_url = f"http://127.0.0.1:{port}"
         wait_ready(base_url, process, log_path)
-        yield base_url
+        yield base_url, process
     finally:
         stop(process)
 
@@ -354,15 +361,15 @@ class Connection(Protocol):
 class RawConnection:
     """One keep-alive HTTP/1.1 connection; answers must carry Content-Length (uvicorn's do)."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, timeout: float = REQUEST_TIMEOUT) -> None:
+        self.host, self.port, self.timeout = host, port, timeout
         self.streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def request(
         self, method: str, path: str, headers: str = "", body: bytes = b""
     ) -> tuple[int, bytes]:
         try:
-            async with asyncio.timeout(REQUEST_TIMEOUT):
+            async with asyncio.timeout(self.timeout):
                 return await self._request(method, path, headers, body)
         except BaseException:
             await self.close()  # the connection's state is unknown: start afresh next time
