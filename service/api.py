@@ -212,12 +212,12 @@ async def _wait_for(
 ) -> Grant:
     """Acquire, waiting up to wait_seconds; a client that leaves is dropped, any grant it got released."""
     waiters: Waiters = request.app.state.waiters
-    gone = asyncio.Event()
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        gone.set()
+        gone.set_result(None)
 
     async def release(grant: Grant) -> None:
         await locks.release(caller, grant.lock.id, grant.token)
