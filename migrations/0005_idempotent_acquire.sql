@@ -1,7 +1,8 @@
 -- Idempotent acquire: a worker whose answer was lost in the network repeats its acquire with the
 -- same Idempotency-Key and gets the same lock and token back, instead of locking itself out
 -- until the lease lapses. The key is kept on the lock row, so it is scoped to that organization
--- and job type and ends with the lock.
+-- and job type and ends with the lock; a repeat must also name the same holder (and the service
+-- prefixes the key with the caller's API key id), so that nobody else can replay a grant.
 ALTER TABLE helix_job_locks ADD COLUMN idempotency_key text;
 
 CREATE FUNCTION helix_acquire_job_lock(
@@ -48,6 +49,7 @@ BEGIN
           AND l.job_type = p_job_type
           AND l.released_at IS NULL
           AND l.idempotency_key = p_idempotency_key
+          AND l.holder = p_holder
           AND l.expires_at > clock_timestamp();
         IF v_live.id IS NOT NULL THEN
             RETURN QUERY

@@ -192,7 +192,8 @@ async def acquire(
             body.holder,
             ttl_ms(body.ttl_seconds),
             body.metadata,
-            idempotency_key,
+            # Scoped to the caller's API key: another key's repeat is a different request.
+            None if idempotency_key is None else f"{caller.key_id or 'anonymous'}/{idempotency_key}",
         )
 
     if body.wait_seconds > 0:

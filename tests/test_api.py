@@ -496,3 +496,12 @@ async def test_an_idempotency_key_ends_with_its_lock_and_is_scoped_to_the_key(
 async def test_a_malformed_idempotency_key_is_422(client: httpx.AsyncClient, value: str) -> None:
     response = await client.post("/v1/locks", json=lock_body(), headers={b"Idempotency-Key": value.encode()})
     assert assert_problem(response, 422)["errors"][0]["field"] == "Idempotency-Key"
+
+
+async def test_an_idempotency_key_replays_only_to_the_same_holder(client: httpx.AsyncClient) -> None:
+    key = {"Idempotency-Key": "nightly-2026-11-30"}
+    first = await client.post("/v1/locks", json=lock_body(holder="worker-A"), headers=key)
+    assert first.status_code == 201
+    intruder = await client.post("/v1/locks", json=lock_body(holder="worker-B"), headers=key)
+    assert_problem(intruder, 409)
+    assert first.json()["token"] not in intruder.text

@@ -223,3 +223,20 @@ async def eventually_status(
             return True
         await anyio.sleep(0.02)
     return False
+
+
+async def test_an_idempotency_key_replays_only_to_the_same_api_key(db_url: str, api_keys: Keys) -> None:
+    second_acme = keys.create(db_url, "acme")
+    app = create_app(Settings(database_url=db_url))
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://t") as c,
+    ):
+        body = {"organization_id": "acme", "job_type": "idem", "holder": "w", "ttl_seconds": 30}
+        first = await c.post("/v1/locks", json=body, headers={**bearer(api_keys.own), "Idempotency-Key": "k"})
+        assert first.status_code == 201
+        other = await c.post("/v1/locks", json=body, headers={**bearer(second_acme), "Idempotency-Key": "k"})
+        assert other.status_code == 409
+        again = await c.post("/v1/locks", json=body, headers={**bearer(api_keys.own), "Idempotency-Key": "k"})
+        assert again.json()["token"] == first.json()["token"]
