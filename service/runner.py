@@ -50,7 +50,34 @@ def stop_before_lapse(process: subprocess.Popen[bytes], lease: Lease, grace: flo
     process.wait()
 
 
+class Interrupted(Exception):
+    """A forwarded signal arrived before there was a command to forward it to."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(signum)
+
+
 def run(
+    client: LockClient, organization_id: str, job_type: str, ttl: float, wait: float, command: list[str]
+) -> int:
+    # Until the command exists, a signal ends `run` itself (with 128+N, as the command would).
+    previous = {signum: signal.signal(signum, _interrupt) for signum in FORWARDED}
+    try:
+        return _run(client, organization_id, job_type, ttl, wait, command)
+    except Interrupted as interrupted:
+        say(f"interrupted by signal {interrupted.signum} before the command started")
+        return 128 + interrupted.signum
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _run(
     client: LockClient, organization_id: str, job_type: str, ttl: float, wait: float, command: list[str]
 ) -> int:
     try:
@@ -61,6 +88,11 @@ def run(
     except HelixError as exc:
         say(f"could not acquire: {exc}")
         return EXIT_UNAVAILABLE
+    # From here a signal is kept, then forwarded once the command's group exists: never lost,
+    # never ending `run` while a command it started runs unwatched.
+    pending: list[int] = []
+    for signum in FORWARDED:
+        signal.signal(signum, lambda signum, frame: pending.append(signum))
     lease = Lease(grant)
     stop = threading.Event()
     renewer = threading.Thread(target=client.keep_alive, args=(lease, stop), daemon=True)
@@ -70,13 +102,17 @@ def run(
     except OSError as exc:
         say(f"cannot run {command[0]}: {exc}")
         stop.set()
+        renewer.join()
         client.release(grant.id, grant.token)
         return 127
 
     def forward(signum: int, frame: FrameType | None) -> None:
         signal_group(process, signum)
 
-    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED}
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    for kept in pending:
+        signal_group(process, kept)
     grace = grace_seconds(ttl)
     lost = False
     try:
@@ -92,10 +128,10 @@ def run(
         # Whatever the command left running in its group must not outlive the lock.
         signal_group(process, signal.SIGTERM)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
         stop.set()
-        renewer.join()
+        # A renewal still retrying against an unreachable service is not worth waiting for once
+        # the lock is lost (the thread is a daemon); otherwise let the last renewal finish.
+        renewer.join(timeout=0.2 if lost else None)
     if not lost and not lease.lost:
         try:
             client.release(grant.id, grant.token)

@@ -79,7 +79,8 @@ class Waiters:
         self.count += 1
         queue.waiters += 1
         try:
-            await self._until(queue.turn.acquire(), deadline, gone)
+            # If this request is cancelled just as its turn comes, the turn is handed on.
+            await self._until(queue.turn.acquire(), deadline, gone, on_abandon=queue.turn.release)
             try:
                 return await self._wait_in_turn(queue, deadline, attempt, remaining_ms, release, gone)
             finally:
@@ -141,12 +142,24 @@ class Waiters:
             raise WaitInterrupted("the client went away; its grant was released")
         return grant
 
-    async def _until(self, waiting: Awaitable[Any], deadline: float, gone: asyncio.Future[None]) -> None:
+    async def _until(
+        self,
+        waiting: Awaitable[Any],
+        deadline: float,
+        gone: asyncio.Future[None],
+        on_abandon: Callable[[], None] | None = None,
+    ) -> None:
         """Await `waiting` until the deadline (TimeoutError) or until the client is gone."""
         task = asyncio.ensure_future(waiting)
         timeout = max(0.0, deadline - asyncio.get_running_loop().time())
-        # `gone` is a plain future, not a task: a thousand waiters cost a thousand fewer tasks.
-        done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            # `gone` is a plain future, not a task: a thousand waiters cost a thousand fewer tasks.
+            done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()  # the request itself is being cancelled: nothing may wait on in its name
+            if on_abandon is not None:
+                task.add_done_callback(lambda t: t.cancelled() or t.exception() or on_abandon())
+            raise
         if task in done:
             return
         task.cancel()

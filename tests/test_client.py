@@ -217,3 +217,21 @@ def test_a_lease_with_wait_is_granted_when_the_holder_releases(db_url: str, tmp_
             time.sleep(1.5)  # past most of the lease: it counts from the grant, not from the wait
             lease.check()
         releaser.join()
+
+
+def test_run_interrupted_while_waiting_for_the_lock_exits_128_plus_the_signal(
+    db_url: str, tmp_path: Path
+) -> None:
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
+        marker = tmp_path / "ran"
+        with client.lock("acme", "busy", ttl=30):
+            process = helix_run(
+                url, "--org", "acme", "--job-type", "busy", "--wait", "20", "--", "touch", str(marker)
+            )
+            time.sleep(1)
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=10) == 128 + signal.SIGTERM
+        assert not marker.exists()
