@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from types import FrameType
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -127,6 +132,37 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     return problems.internal()
 
 
+def _answer_waiters_on_stop(waiters: Waiters) -> Callable[[], None]:
+    """Chain SIGTERM/SIGINT so that waiting acquires answer at once when the server is told to
+    stop: uvicorn reaches the lifespan's shutdown only after every request has finished, and a
+    waiting request would otherwise hold the stop for its whole wait. Returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    loop = asyncio.get_running_loop()
+    previous: dict[int, Any] = {
+        signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)
+    }
+
+    def stopping(signum: int, frame: FrameType | None) -> None:
+        loop.call_soon_threadsafe(waiters.close)
+        chained = previous[signum]
+        if callable(chained):
+            chained(signum, frame)
+        elif chained == signal.SIG_DFL:  # as if we were not here
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise SystemExit(128 + signum)
+
+    for signum in previous:
+        signal.signal(signum, stopping)
+
+    def undo() -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    return undo
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The service; settings come from the environment unless given."""
     settings = settings or Settings()  # type: ignore[call-arg]  # database_url comes from the env
@@ -145,9 +181,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         await listener.start()
         await keys.start()
+        undo_signals = _answer_waiters_on_stop(waiters)
         try:
             yield
         finally:
+            undo_signals()
             waiters.close()
             await listener.stop()
             await keys.stop()

@@ -170,3 +170,23 @@ async def test_stopping_the_service_answers_waiting_requests(db_url: str) -> Non
         response = await waiting
         assert response.status_code == 503
         assert time.monotonic() - started < 2
+
+
+def test_sigterm_answers_waiting_requests_at_once(db_url: str, tmp_path: Path) -> None:
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, server):
+        httpx.post(f"{url}/v1/locks", json=body("holder"), timeout=10)
+
+        async def scenario() -> tuple[httpx.Response, float]:
+            waiter = asyncio.create_task(
+                asyncio.to_thread(httpx.post, f"{url}/v1/locks", json=body("waiter", wait=30), timeout=40)
+            )
+            await asyncio.sleep(0.5)
+            stopped = time.monotonic()
+            server.terminate()
+            response = await waiter
+            return response, time.monotonic() - stopped
+
+        response, elapsed = asyncio.run(scenario())
+        assert response.status_code == 503
+        assert elapsed < 3
+        assert server.wait(timeout=10) == 0
