@@ -15,6 +15,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
 
+import psycopg
+
 
 @dataclass(frozen=True)
 class Grant:
@@ -45,6 +47,16 @@ class Renewed:
 
     lock_id: int
     renewed_at: datetime
+
+
+def database_history(db_url: str) -> list[Grant]:
+    """Every grant the database holds, as the checker reads it."""
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute(
+            "SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
+            " released_at, release_reason FROM helix_job_locks"
+        ).fetchall()
+    return [Grant(r[0], (r[1], r[2]), r[3], r[4], r[5], r[6], r[7]) for r in rows]
 
 
 def check(grants: list[Grant], told: list[Told], renewed: list[Renewed]) -> list[str]:

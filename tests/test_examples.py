@@ -15,7 +15,7 @@ import httpx
 import psycopg
 import pytest
 
-from tests.history import Grant, Told, check
+from tests.history import Told, check, database_history
 from tests.support import ROOT, running_service
 
 EXAMPLES = {"curl": ROOT / "examples" / "curl-worker.sh", "node": ROOT / "examples" / "node-worker.mjs"}
@@ -47,15 +47,6 @@ def worker(
         if process.poll() is None:
             process.kill()
             process.wait()
-
-
-def database_history(db_url: str) -> list[Grant]:
-    with psycopg.connect(db_url) as conn:
-        rows = conn.execute(
-            "SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
-            " released_at, release_reason FROM helix_job_locks"
-        ).fetchall()
-    return [Grant(r[0], (r[1], r[2]), r[3], r[4], r[5], r[6], r[7]) for r in rows]
 
 
 def written(path: Path) -> list[Told]:

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import anyio
 import httpx
-import psycopg
 import pytest
 
-from tests.history import Grant, Renewed, Told, check
+from tests.history import Renewed, Told, check, database_history
 from tests.support import running_service
 
 pytestmark = pytest.mark.anyio
@@ -79,15 +78,6 @@ async def worker(name: str, urls: list[str], run: Run, deadline: float, rng: ran
             release = await http.delete(lock_url, headers=headers)
             assert release.status_code in (204, 410), release.text
             run.gone += release.status_code == 410
-
-
-def database_history(db_url: str) -> list[Grant]:
-    with psycopg.connect(db_url) as conn:
-        rows = conn.execute(
-            "SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
-            " released_at, release_reason FROM helix_job_locks"
-        ).fetchall()
-    return [Grant(r[0], (r[1], r[2]), r[3], r[4], r[5], r[6], r[7]) for r in rows]
 
 
 async def test_no_two_grants_of_one_key_overlap_under_racing_clients(db_url: str, tmp_path: Path) -> None:
