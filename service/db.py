@@ -146,6 +146,7 @@ class Database:
     def __init__(self, pool: Pool, deadline_seconds: float) -> None:
         self.pool = pool
         self.deadline_seconds = deadline_seconds
+        self._statements: set[asyncio.Future[list[DictRow]]] = set()
 
     async def _fetch_all(self, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:
         async with translated(), self.pool.connection() as conn:
@@ -156,19 +157,29 @@ class Database:
         """All rows; DatabaseUnavailable once the deadline passes without an answer.
 
         statement_timeout stops a slow statement only while the server still answers; the
-        deadline also covers a server gone silent. The statement is left to finish (or to fail,
-        when TCP gives up on the silent server) in the background: interrupting psycopg mid-query
-        would make it spend seconds trying to cancel the query on that same silent server.
+        deadline also covers a server gone silent. A statement is never interrupted: it is left
+        to finish (or to fail, when TCP gives up on a silent server) in the background, also when
+        our caller is cancelled. Interrupting psycopg mid-query makes it spend seconds trying to
+        cancel the query on a silent server, and a connection taken back mid-query can make the
+        pool's close() hang; close() below waits for these statements instead.
         """
         statement = asyncio.ensure_future(self._fetch_all(query, params))
+        self._statements.add(statement)
+        statement.add_done_callback(self._statements.discard)
         statement.add_done_callback(_discard_outcome)
         try:
-            return await asyncio.wait_for(asyncio.shield(statement), self.deadline_seconds)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
+            # arrives as the statement completes, and a cancelled background task runs on.
+            async with asyncio.timeout(self.deadline_seconds):
+                return await asyncio.shield(statement)
         except TimeoutError as exc:
             raise DatabaseUnavailable("no answer before the deadline") from exc
-        except asyncio.CancelledError:
-            statement.cancel()  # our caller gave up (shutdown, say): so does the statement
-            raise
+
+    async def close(self) -> None:
+        """Wait (up to the deadline) for the statements still running, then close the pool."""
+        if self._statements:
+            await asyncio.wait(set(self._statements), timeout=self.deadline_seconds)
+        await self.pool.close()
 
     async def fetch_optional(self, query: LiteralString, params: Mapping[str, Any]) -> DictRow | None:
         rows = await self.fetch_all(query, params)

@@ -69,4 +69,5 @@ class Listener:
                 for channel, payloads in heard.items():
                     await self.channels[channel](conn, payloads)
                 if not heard:
-                    await asyncio.wait_for(conn.execute(queries.PING), PING_SECONDS)
+                    async with asyncio.timeout(PING_SECONDS):  # not wait_for: see Database.fetch_all
+                        await conn.execute(queries.PING)
