@@ -177,7 +177,11 @@ def test_run_stops_the_command_before_the_lease_ends_when_the_service_is_gone(
 ) -> None:
     with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, server):
         process = helix_run(url, "--org", "acme", "--job-type", "x", "--ttl", "2", "--", "sleep", "100")
-        time.sleep(0.5)
+        with LockClient(url) as client:
+            deadline = time.monotonic() + 10
+            while client.current("acme", "x") is None:  # held: the command runs
+                assert time.monotonic() < deadline, "run never took the lock"
+                time.sleep(0.05)
         server.send_signal(signal.SIGKILL)
         server.wait()
         started = time.monotonic()
