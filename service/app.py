@@ -8,6 +8,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from types import FrameType
 from typing import Any
 
@@ -23,6 +24,7 @@ from service.errors import DatabaseUnavailable, EmptyResult, LockError
 from service.keys import KeyRing
 from service.listener import Listener
 from service.locks import Locks
+from service.retention import Pruner
 from service.settings import Settings
 from service.waiting import Waiters
 
@@ -181,15 +183,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         await listener.start()
         await keys.start()
+        pruner = None
+        if settings.retention_days > 0:
+            keep = timedelta(days=settings.retention_days)
+            pruner = Pruner(db, keep, settings.retention_batch, settings.retention_interval_seconds)
+            await pruner.start()
         undo_signals = _answer_waiters_on_stop(waiters)
         try:
             yield
         finally:
             undo_signals()
+            if pruner is not None:
+                await pruner.stop()
             waiters.close()
             await listener.stop()
             await keys.stop()
-            await pool.close()
+            await db.close()
 
     app = FastAPI(
         title="Helix Locks",

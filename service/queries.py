@@ -121,6 +121,9 @@ TOUCH_KEYS = "UPDATE helix_api_keys SET last_used_at = clock_timestamp() WHERE i
 LISTEN = sql.SQL("LISTEN {}")
 PING = "SELECT 1"
 
+# History retention (service/retention.py): one batch of ended rows older than the window.
+PRUNE = "SELECT helix_prune_history(%(older_than)s, %(batch)s) AS deleted"
+
 # Migration bookkeeping (service/migrate.py).
 MIGRATION_LOCK = "SELECT pg_advisory_lock(%(key)s)"
 MIGRATION_UNLOCK = "SELECT pg_advisory_unlock(%(key)s)"

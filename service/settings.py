@@ -27,6 +27,10 @@ class Settings(BaseSettings):
     # Serve requests without an API key while no key exists at all. `serve` sets it when it
     # listens on loopback only, or with --insecure; once any key exists, keys are required.
     allow_anonymous: bool = False
+    # Ended locks are kept this many days, then deleted in batches (0 keeps them for ever).
+    retention_days: float = Field(default=7.0, ge=0)
+    retention_batch: int = Field(default=1000, ge=1, le=100_000)
+    retention_interval_seconds: float = Field(default=60.0, gt=0)
     # Acquires waiting for a held lock (wait_seconds) in one process; beyond it, 503.
     max_waiters: int = Field(default=10_000, ge=0)
 

@@ -1,0 +1,72 @@
+"""History retention on a large synthetic history: old ended rows go, everything else stays."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+from service.db import Database, create_pool
+from service.retention import Pruner
+from service.settings import Settings
+
+pytestmark = pytest.mark.anyio
+Conn = psycopg.Connection[Any]
+
+
+def seed(conn: Conn) -> None:
+    """200,000 ended locks 8 to 30 days old on 500 keys, 100 ended yesterday, 10 live."""
+    conn.execute(
+        "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, fencing_token,"
+        " acquired_at, expires_at, released_at, release_reason)"
+        " SELECT 'acme', 'job-' || (n % 500), 'w', md5(n::text), n / 500 + 1,"
+        "  now() - make_interval(days => 8 + n % 22) - interval '1 minute',"
+        "  now() - make_interval(days => 8 + n % 22),"
+        "  now() - make_interval(days => 8 + n % 22), 'released'"
+        " FROM generate_series(0, 199999) AS n"
+    )
+    conn.execute(
+        "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, fencing_token,"
+        " acquired_at, expires_at, released_at, release_reason)"
+        " SELECT 'acme', 'recent-' || n, 'w', md5(n::text), 1, now() - interval '1 day',"
+        "  now() - interval '23 hours', now() - interval '23 hours', 'released'"
+        " FROM generate_series(1, 100) AS n"
+    )
+    conn.execute(
+        "INSERT INTO helix_lock_keys SELECT 'acme', 'job-' || n, 1000 FROM generate_series(0, 499) AS n"
+    )
+    for n in range(10):
+        conn.execute("SELECT helix_acquire_job_lock('acme', %s, 'live', 60000)", (f"job-{n}",))
+
+
+async def test_old_ended_locks_are_pruned_in_batches_and_nothing_else(db_url: str, conn: Conn) -> None:
+    seed(conn)
+    pool = create_pool(Settings(database_url=db_url))
+    await pool.open(wait=True)
+    try:
+        pruner = Pruner(Database(pool, 30.0), timedelta(days=7), batch=5000, interval=60)
+        assert await pruner.prune() == 200_000
+        assert await pruner.prune() == 0
+    finally:
+        await pool.close()
+    left = conn.execute(
+        "SELECT count(*) FILTER (WHERE released_at IS NULL), count(*) FILTER (WHERE released_at IS NOT NULL)"
+        " FROM helix_job_locks"
+    ).fetchone()
+    assert left == (10, 100)
+    tokens = conn.execute("SELECT fencing_token FROM helix_job_locks WHERE holder = 'live'").fetchall()
+    assert {t for (t,) in tokens} == {1001}, "fencing counters survive the pruning"
+
+
+async def test_only_one_replica_prunes_at_a_time(db_url: str, conn: Conn) -> None:
+    seed(conn)
+    with psycopg.connect(db_url) as other:
+        other.execute("SELECT pg_advisory_xact_lock(hashtext('helix_prune_history'))")  # another replica
+        pool = create_pool(Settings(database_url=db_url))
+        await pool.open(wait=True)
+        try:
+            assert await Pruner(Database(pool, 30.0), timedelta(days=7), 5000, 60).prune() == 0
+        finally:
+            await pool.close()
