@@ -9,10 +9,10 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, Security
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from service import migrate, problems
+from service import logs, migrate, problems
 from service.errors import (
     DatabaseUnavailable,
     Forbidden,
@@ -21,6 +21,7 @@ from service.errors import (
     LockHeld,
     LockNotFound,
     SchemaNotReady,
+    ShuttingDown,
     TokenMismatch,
     Unauthenticated,
 )
@@ -37,6 +38,7 @@ from service.schemas import (
     RenewRequest,
     ttl_ms,
 )
+from service.telemetry import Metrics
 from service.waiting import Waiters
 
 BIGINT_MAX = 2**63 - 1
@@ -55,6 +57,7 @@ async def lock_id(lock_id: Annotated[str, Path(description="The id an acquire re
         or not 0 < int(lock_id) <= BIGINT_MAX
     ):
         raise LockNotFound()
+    logs.bind(lock_id=int(lock_id))
     return int(lock_id)
 
 
@@ -66,7 +69,9 @@ async def authenticate(
 ) -> Caller:
     """Who is asking (the key ring reads the header itself; `bearer` documents it in OpenAPI)."""
     keys: KeyRing = request.app.state.keys
-    return await keys.authenticate(request.headers.get("authorization"))
+    caller = await keys.authenticate(request.headers.get("authorization"))
+    logs.bind(key_id=caller.key_id)
+    return caller
 
 
 LocksDep = Annotated[Locks, Depends(get_locks)]
@@ -120,6 +125,10 @@ PROBLEM_DOCS: dict[str, tuple[str, JSONResponse]] = {
         "The database schema lacks this build's migrations.",
         problems.from_error(SchemaNotReady("migrations not applied: 0004_api_keys")),
     ),
+    "service-stopping": (
+        "The service was told to stop, and this request did not finish within the grace time.",
+        problems.from_error(ShuttingDown()),
+    ),
     "internal-error": ("Any other error, such as a failure of the service.", problems.internal()),
 }
 _HEADERS = {
@@ -131,7 +140,7 @@ _HEADERS = {
 def _problems(*kinds: str) -> dict[int | str, dict[str, Any]]:
     """A route's problem responses, with an example of each kind; `default` stands for any other."""
     responses: dict[int | str, dict[str, Any]] = {}
-    for kind in (*kinds, "internal-error"):
+    for kind in (*kinds, "service-stopping", "internal-error"):
         description, example = PROBLEM_DOCS[kind]
         key = "default" if kind == "internal-error" else example.status_code
         content = {"schema": {"$ref": "#/components/schemas/Problem"}, "examples": {}}
@@ -183,6 +192,7 @@ async def acquire(
     ] = None,
 ) -> GrantBody:
     """Acquire the lock for (organization_id, job_type), reclaiming it if its lease ran out."""
+    logs.bind(organization_id=body.organization_id, job_type=body.job_type, holder=body.holder)
 
     async def attempt() -> Grant:
         return await locks.acquire(
@@ -200,6 +210,13 @@ async def acquire(
         grant = await _wait_for(request, body, attempt, locks, caller)
     else:
         grant = await attempt()
+    logs.bind(
+        lock_id=grant.lock.id,
+        fencing_token=grant.lock.fencing_token,
+        outcome="reclaimed" if grant.reclaimed else "granted",
+    )
+    if grant.reclaimed:  # its worker died holding it, or stalled past its lease
+        logs.bind(reclaimed_lock_id=grant.reclaimed.lock_id, reclaimed_holder=grant.reclaimed.holder)
     response.headers["Location"] = f"/v1/locks/{grant.lock.id}"
     return GrantBody.of_grant(grant)
 
@@ -315,11 +332,16 @@ async def release(
 ) -> Response:
     """Release a lock you hold; 410 tells you it had already ended."""
     if force:
-        await locks.force_release(caller, lock_id)
+        lock = await locks.force_release(caller, lock_id)
     elif token is None:
         raise InvalidArgument("Lock-Token", "Field required")
     else:
-        await locks.release(caller, lock_id, token)
+        lock = await locks.release(caller, lock_id, token)
+    logs.bind(
+        organization_id=lock.organization_id,
+        job_type=lock.job_type,
+        outcome="forced" if force else "released",
+    )
     return Response(status_code=204)
 
 
@@ -340,7 +362,14 @@ async def renew(
     locks: LocksDep, caller: CallerDep, lock_id: LockId, token: LockToken, body: RenewRequest
 ) -> RenewalBody:
     """Extend the lease to database-now + ttl_seconds; works on a lapsed lease nobody reclaimed."""
-    return RenewalBody.of_renewal(await locks.renew(caller, lock_id, token, ttl_ms(body.ttl_seconds)))
+    renewal = await locks.renew(caller, lock_id, token, ttl_ms(body.ttl_seconds))
+    logs.bind(
+        organization_id=renewal.lock.organization_id,
+        job_type=renewal.lock.job_type,
+        outcome="renewed",
+        lapsed=renewal.lapsed,
+    )
+    return RenewalBody.of_renewal(renewal)
 
 
 health = APIRouter(tags=["service"])
@@ -357,3 +386,18 @@ async def readyz(locks: LocksDep) -> dict[str, Literal["ready"]]:
     """The database answers and every migration of this build is applied."""
     await migrate.check_ready(locks.db)
     return {"status": "ready"}
+
+
+@health.get(
+    "/metrics",
+    summary="Metrics",
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
+async def metrics(request: Request) -> PlainTextResponse:
+    """Prometheus text format, for every worker process of this service."""
+    telemetry: Metrics = request.app.state.metrics
+    await telemetry.sample_locks(request.app.state.locks.db)
+    telemetry.sample_pool(request.app.state.locks.db.pool)
+    body, media_type = telemetry.render()
+    return PlainTextResponse(body, media_type=media_type)

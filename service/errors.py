@@ -90,5 +90,10 @@ class WaitInterrupted(LockError):
     reason: str
 
 
+@dataclass
+class ShuttingDown(LockError):
+    """The service stopped before the request finished (SIGTERM, and the grace time ran out)."""
+
+
 class EmptyResult(LockError):
     """A function that must return a row returned none: a bug, never a success."""

@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from service import logs
 from service.errors import (
     DatabaseUnavailable,
     EmptyResult,
@@ -18,6 +19,7 @@ from service.errors import (
     LockHeld,
     LockNotFound,
     SchemaNotReady,
+    ShuttingDown,
     TokenMismatch,
     TooManyWaiters,
     Unauthenticated,
@@ -38,7 +40,9 @@ def problem(
     headers: Mapping[str, str] | None = None,
     **fields: Any,
 ) -> JSONResponse:
-    """A problem+json response; `kind` names the problem type (urn:helix-locks:problem:KIND)."""
+    """A problem+json response; `kind` names the problem type (urn:helix-locks:problem:KIND),
+    which the request's log line and metrics carry."""
+    logs.bind(problem=kind)
     body = {"type": f"urn:helix-locks:problem:{kind}", "title": title, "status": status, "detail": detail}
     body.update({name: _json(value) for name, value in fields.items()})
     return JSONResponse(body, status_code=status, headers=dict(headers or {}), media_type=MEDIA_TYPE)
@@ -139,6 +143,14 @@ PROBLEMS: Mapping[type[LockError], Callable[[Any], JSONResponse]] = {
         "Not ready",
         f"The database schema is not ready: {exc.reason}.",
         headers={"Retry-After": "5"},
+    ),
+    ShuttingDown: lambda exc: problem(
+        503,
+        "service-stopping",
+        "Service stopping",
+        "The service stopped before this request finished, so its outcome is unknown: try again "
+        "(an acquire with the same Idempotency-Key).",
+        headers={"Retry-After": "1"},
     ),
     EmptyResult: lambda exc: internal(),
 }

@@ -124,6 +124,13 @@ PING = "SELECT 1"
 # History retention (service/retention.py): one batch of ended rows older than the window.
 PRUNE = "SELECT helix_prune_history(%(older_than)s, %(batch)s) AS deleted"
 
+# The held/expired gauges (service/telemetry.py): a scan of the live rows' partial index only.
+COUNT_LIVE = (
+    "SELECT count(*) FILTER (WHERE expires_at > clock_timestamp()) AS held,"
+    " count(*) FILTER (WHERE expires_at <= clock_timestamp()) AS expired"
+    " FROM helix_job_locks WHERE released_at IS NULL"
+)
+
 # Migration bookkeeping (service/migrate.py).
 MIGRATION_LOCK = "SELECT pg_advisory_lock(%(key)s)"
 MIGRATION_UNLOCK = "SELECT pg_advisory_unlock(%(key)s)"

@@ -31,6 +31,10 @@ class Settings(BaseSettings):
     retention_days: float = Field(default=7.0, ge=0)
     retention_batch: int = Field(default=1000, ge=1, le=100_000)
     retention_interval_seconds: float = Field(default=60.0, gt=0)
+    # On SIGTERM, requests in flight get this long to finish before the service stops anyway.
+    shutdown_timeout_seconds: int = Field(default=10, gt=0)
+    # Label the lock counters by organization: one series per organization, so only with few.
+    metrics_organization_label: bool = False
     # Acquires waiting for a held lock (wait_seconds) in one process; beyond it, 503.
     max_waiters: int = Field(default=10_000, ge=0)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -79,6 +81,14 @@ def running_service(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def logged_requests(log: Path) -> list[dict[str, Any]]:
+    """The request lines of a service's JSON log (HELIX_LOCKS_LOG_FORMAT=json, or not a terminal)."""
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    for line in lines:
+        assert {"time", "level", "event", "logger"} <= line.keys(), line
+    return [line for line in lines if line["event"] == "request"]
 
 
 class TcpProxy:

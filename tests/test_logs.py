@@ -1,0 +1,77 @@
+"""Logs: one JSON line per event with the request's id and fields, never a key or a lock token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from service import keys
+from tests.support import logged_requests, running_service
+from tests.test_api import lock_body
+
+
+def test_each_request_is_one_json_line_with_its_id_and_no_secret(db_url: str, tmp_path: Path) -> None:
+    key = keys.create(db_url, "acme")
+    log = tmp_path / "s.log"
+    env = {"DATABASE_URL": db_url, "HELIX_LOCKS_LOG_FORMAT": "json"}
+    with running_service(env=env, log=log) as (url, server):
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as http:
+            granted = http.post("/v1/locks", json=lock_body(), headers={"X-Request-Id": "job-42.try-1"})
+            assert granted.status_code == 201
+            assert granted.headers["X-Request-Id"] == "job-42.try-1"
+            lock = granted.json()
+            conflict = http.post("/v1/locks", json=lock_body(holder="w2"))
+            assert conflict.status_code == 409
+            assert len(conflict.headers["X-Request-Id"]) == 32  # made up for a request without one
+            bad_id = http.get("/v1/locks", headers={"X-Request-Id": "no spaces or {braces}"})
+            assert bad_id.headers["X-Request-Id"] != "no spaces or {braces}"
+            token = {"Lock-Token": lock["token"]}
+            assert http.delete(f"/v1/locks/{lock['id']}", headers=token).status_code == 204
+        server.terminate()
+        assert server.wait(timeout=20) == 0
+
+    text = log.read_text()
+    for secret in (key, lock["token"]):
+        assert secret not in text
+    lines = logged_requests(log)
+    by_id = {line["request_id"]: line for line in lines}
+    acquire = by_id["job-42.try-1"]
+    assert acquire["status"] == 201
+    assert acquire["path"] == "/v1/locks" and acquire["method"] == "POST"
+    assert (acquire["organization_id"], acquire["job_type"]) == ("acme", "nightly-report")
+    assert (acquire["lock_id"], acquire["outcome"]) == (lock["id"], "granted")
+    assert acquire["key_id"] == keys.key_id(key)
+    assert acquire["duration_ms"] > 0
+    refused = by_id[conflict.headers["X-Request-Id"]]
+    assert (refused["status"], refused["problem"], refused["job_type"]) == (
+        409,
+        "lock-held",
+        "nightly-report",
+    )
+    assert bad_id.headers["X-Request-Id"] in by_id
+    release = [line for line in lines if line["method"] == "DELETE"]
+    assert [(r["lock_id"], r["outcome"], r["organization_id"]) for r in release] == [
+        (lock["id"], "released", "acme")
+    ]
+    assert len(lines) == 4, "one line per request"
+
+
+def test_text_for_a_terminal_and_a_level_to_quiet_it(db_url: str, tmp_path: Path) -> None:
+    log = tmp_path / "s.log"
+    env = {"DATABASE_URL": db_url, "HELIX_LOCKS_LOG_FORMAT": "text", "HELIX_LOCKS_LOG_LEVEL": "WARNING"}
+    with running_service(env=env, log=log) as (url, _):
+        assert httpx.post(f"{url}/v1/locks", json=lock_body()).status_code == 201
+        assert httpx.post(f"{url}/v1/locks", json=lock_body(ttl_seconds="x")).status_code == 422
+    text = log.read_text()
+    assert "request" not in text, "info lines are below WARNING"
+
+    log = tmp_path / "text.log"
+    env = {"DATABASE_URL": db_url, "HELIX_LOCKS_LOG_FORMAT": "text"}
+    with running_service(env=env, log=log) as (url, _):
+        response = httpx.post(f"{url}/v1/locks", json=lock_body(job_type="other"))
+        assert response.status_code == 201
+    lines = [line for line in log.read_text().splitlines() if " request " in line]
+    assert len(lines) == 1
+    assert f"request_id={response.headers['X-Request-Id']}" in lines[0]
+    assert not lines[0].startswith("{")

@@ -1,0 +1,151 @@
+"""/metrics: the lock counters, latency histograms, pool and lock gauges, one process or several."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import psycopg
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service import keys, telemetry
+from service.app import create_app
+from service.settings import Settings
+from tests.support import running_service
+from tests.test_api import expire, lock_body
+
+pytestmark = pytest.mark.anyio
+Conn = psycopg.Connection[Any]
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def samples(text: str) -> Samples:
+    """Every sample by (name, labels)."""
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(found: Samples, name: str, **labels: str) -> float:
+    return found.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.fixture
+def admin(db_url: str) -> str:
+    return keys.create(db_url, None)
+
+
+async def app_client(db_url: str, admin: str, **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(Settings(database_url=db_url, **settings))
+    transport = httpx.ASGITransport(app=app)
+    headers = {"Authorization": f"Bearer {admin}"}
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://helix.test", headers=headers) as http,
+    ):
+        yield http
+
+
+@pytest.fixture
+async def client(db_url: str, admin: str) -> AsyncIterator[httpx.AsyncClient]:
+    async for http in app_client(db_url, admin):
+        yield http
+
+
+async def test_every_outcome_is_counted(client: httpx.AsyncClient, conn: Conn) -> None:
+    first = (await client.post("/v1/locks", json=lock_body(job_type="a"))).json()
+    assert (await client.post("/v1/locks", json=lock_body(job_type="a"))).status_code == 409
+    assert (await client.post("/v1/locks", json=lock_body(job_type="a", ttl_seconds=-1))).status_code == 422
+    expire(conn, first["id"])
+    second = (await client.post("/v1/locks", json=lock_body(job_type="a"))).json()
+    assert second["fencing_token"] == first["fencing_token"] + 1  # a reclaim
+    # The first holder learns it lost the lock: twice, renewing and releasing.
+    token = {"Lock-Token": first["token"]}
+    assert (
+        await client.post(f"/v1/locks/{first['id']}/renew", json={"ttl_seconds": 30}, headers=token)
+    ).status_code == 410
+    assert (await client.delete(f"/v1/locks/{first['id']}", headers=token)).status_code == 410
+    token = {"Lock-Token": second["token"]}
+    assert (
+        await client.post(f"/v1/locks/{second['id']}/renew", json={"ttl_seconds": 30}, headers=token)
+    ).status_code == 200
+    assert (await client.delete(f"/v1/locks/{second['id']}", headers=token)).status_code == 204
+    third = (await client.post("/v1/locks", json=lock_body(job_type="b"))).json()
+    assert (await client.delete(f"/v1/locks/{third['id']}", params={"force": "true"})).status_code == 204
+    held = (await client.post("/v1/locks", json=lock_body(job_type="c"))).json()
+    stale = (await client.post("/v1/locks", json=lock_body(job_type="d"))).json()
+    expire(conn, stale["id"])
+
+    response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    found = samples(response.text)
+    acquisitions = "helix_locks_acquisitions_total"
+    assert value(found, acquisitions, organization="", result="granted") == 4
+    assert value(found, acquisitions, organization="", result="reclaimed") == 1
+    assert value(found, acquisitions, organization="", result="conflict") == 1
+    assert value(found, acquisitions, organization="", result="invalid-request") == 1
+    assert value(found, "helix_locks_releases_total", organization="", result="released") == 1
+    assert value(found, "helix_locks_releases_total", organization="", result="forced") == 1
+    assert value(found, "helix_locks_releases_total", organization="", result="gone") == 1
+    assert value(found, "helix_locks_renewals_total", organization="", result="renewed") == 1
+    assert value(found, "helix_locks_renewals_total", organization="", result="gone") == 1
+    assert value(found, "helix_locks_lost_total", organization="") == 2
+    latency = "helix_locks_http_request_duration_seconds_count"
+    assert value(found, latency, method="POST", route="/v1/locks", status="201") == 5
+    assert value(found, latency, method="DELETE", route="/v1/locks/{lock_id}", status="410") == 1
+    assert value(found, "helix_locks_locks", state="held") == 1, held
+    assert value(found, "helix_locks_locks", state="expired") == 1
+    assert value(found, "helix_locks_pool_connections") >= 1
+
+
+async def test_the_lock_gauges_are_read_at_most_every_few_seconds(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(telemetry, "LOCK_GAUGE_SECONDS", 0.5)
+    await client.post("/v1/locks", json=lock_body(job_type="a"))
+    assert value(samples((await client.get("/metrics")).text), "helix_locks_locks", state="held") == 1
+    await client.post("/v1/locks", json=lock_body(job_type="b"))
+    # Scrapes within the window answer from the last reading, without a query each.
+    assert value(samples((await client.get("/metrics")).text), "helix_locks_locks", state="held") == 1
+    await anyio.sleep(0.6)
+    assert value(samples((await client.get("/metrics")).text), "helix_locks_locks", state="held") == 2
+
+
+async def test_organizations_are_labels_only_when_asked(db_url: str, admin: str) -> None:
+    async for client in app_client(db_url, admin, metrics_organization_label=True):
+        await client.post("/v1/locks", json=lock_body(organization_id="globex"))
+        found = samples((await client.get("/metrics")).text)
+        assert value(found, "helix_locks_acquisitions_total", organization="globex", result="granted") == 1
+
+
+def test_every_worker_is_counted_whichever_answers_the_scrape(db_url: str, tmp_path: Path) -> None:
+    """Two worker processes: each scrape, answered by either, counts both workers' requests."""
+    env = {"DATABASE_URL": db_url, "HELIX_LOCKS_POOL_MIN_SIZE": "2"}
+    with (
+        running_service("--workers", "2", env=env, log=tmp_path / "s.log") as (url, _),
+        httpx.Client(base_url=url) as http,
+    ):
+        for n in range(30):
+            # A new connection each time, so that both workers take some.
+            response = httpx.post(f"{url}/v1/locks", json=lock_body(job_type=f"job-{n}"))
+            assert response.status_code == 201
+        deadline = time.monotonic() + 10
+        while True:
+            found = samples(http.get("/metrics").text)
+            # Each worker's pool keeps 2 connections: 4 means both workers' figures are here.
+            if value(found, "helix_locks_pool_connections") == 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert value(found, "helix_locks_pool_connections") == 4
+        for _ in range(10):
+            found = samples(httpx.get(f"{url}/metrics").text)
+            assert value(found, "helix_locks_acquisitions_total", organization="", result="granted") == 30
+            assert value(found, "helix_locks_locks", state="held") == 30
