@@ -114,6 +114,9 @@ CONNECTION_KWARGS: dict[str, Any] = {
 }
 
 
+RECONNECT_GIVE_UP_SECONDS = 5.0
+
+
 def create_pool(settings: Settings) -> Pool:
     """A closed pool; the app's lifespan opens it."""
 
@@ -130,6 +133,11 @@ def create_pool(settings: Settings) -> Pool:
         timeout=settings.pool_timeout_seconds,
         open=False,
         name="helix-locks",
+        # A connection attempt that keeps failing backs off exponentially (1, 2, 4, 8... s), so
+        # after a long outage the pool could take half a minute to notice the database is back.
+        # Give up on an attempt after a few seconds instead: the next request that finds the
+        # pool empty starts a fresh one at once.
+        reconnect_timeout=RECONNECT_GIVE_UP_SECONDS,
         configure=configure,
         kwargs={
             **CONNECTION_KWARGS,
