@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -121,13 +122,34 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code == 400:
         # FastAPI's only 400: a body it could not decode (not UTF-8, nested too deep for JSON).
         return problems.invalid([{"field": "body", "message": "not a readable JSON document"}])
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        # Starlette names only the methods of the first route that matched the path.
+        headers["Allow"] = ", ".join(_methods_for(request))
     return problems.problem(
         exc.status_code,
         f"http-{exc.status_code}",
         str(exc.detail),
         str(exc.detail),
-        headers=exc.headers,
+        headers=headers,
     )
+
+
+def _methods_for(request: Request) -> list[str]:
+    """The methods the API declares for this request's path: those of the most specific path
+    template that matches it (/v1/locks/current, not /v1/locks/{lock_id})."""
+    matching = [
+        (template.count("{"), sorted(method.upper() for method in operations))
+        for template, operations in request.app.openapi()["paths"].items()
+        if re.fullmatch(_pattern(template), request.url.path)
+    ]
+    return min(matching)[1] if matching else []
+
+
+def _pattern(template: str) -> str:
+    """/v1/locks/{lock_id} -> /v1/locks/[^/]+"""
+    parts = re.split(r"(\{[^}/]+\})", template)
+    return "".join("[^/]+" if part.startswith("{") else re.escape(part) for part in parts)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

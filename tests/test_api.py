@@ -386,6 +386,11 @@ async def test_health_ready_openapi_and_docs(client: httpx.AsyncClient) -> None:
 async def test_unknown_route_and_method_are_problems(client: httpx.AsyncClient) -> None:
     assert_problem(await client.get("/v2/nothing"), 404)
     assert_problem(await client.put("/v1/locks"), 405)
+    # Allow names every method of the path, not only those of the first route that matched it.
+    not_allowed = await client.put("/v1/locks/1")
+    assert_problem(not_allowed, 405)
+    assert not_allowed.headers["Allow"] == "DELETE, GET"
+    assert (await client.put("/v1/locks/current")).headers["Allow"] == "GET"
 
 
 async def test_a_database_that_stops_answering_is_503_not_a_hang(db_url: str) -> None:
