@@ -4,6 +4,9 @@
 CREATE FUNCTION helix_prune_history(p_older_than interval, p_batch integer) RETURNS integer
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
+    -- A value, not clock_timestamp() in the WHERE clause: a volatile expression cannot bound the
+    -- index scan, and a batch that finds nothing old would read the whole retained history.
+    v_cutoff timestamptz := clock_timestamp() - p_older_than;
     v_deleted integer;
 BEGIN
     IF NOT pg_try_advisory_xact_lock(hashtext('helix_prune_history')) THEN
@@ -12,7 +15,7 @@ BEGIN
     WITH doomed AS (
         SELECT l.id
         FROM helix_job_locks AS l
-        WHERE l.released_at < clock_timestamp() - p_older_than
+        WHERE l.released_at < v_cutoff
         ORDER BY l.released_at
         LIMIT p_batch
         FOR UPDATE SKIP LOCKED

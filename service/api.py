@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
@@ -18,6 +20,7 @@ from service.errors import (
     Forbidden,
     InvalidArgument,
     LockEnded,
+    LockError,
     LockHeld,
     LockNotFound,
     SchemaNotReady,
@@ -336,7 +339,8 @@ async def release(
     elif token is None:
         raise InvalidArgument("Lock-Token", "Field required")
     else:
-        lock = await locks.release(caller, lock_id, token)
+        async with _naming_the_lock(locks, caller, lock_id):
+            lock = await locks.release(caller, lock_id, token)
     logs.bind(
         organization_id=lock.organization_id,
         job_type=lock.job_type,
@@ -362,7 +366,8 @@ async def renew(
     locks: LocksDep, caller: CallerDep, lock_id: LockId, token: LockToken, body: RenewRequest
 ) -> RenewalBody:
     """Extend the lease to database-now + ttl_seconds; works on a lapsed lease nobody reclaimed."""
-    renewal = await locks.renew(caller, lock_id, token, ttl_ms(body.ttl_seconds))
+    async with _naming_the_lock(locks, caller, lock_id):
+        renewal = await locks.renew(caller, lock_id, token, ttl_ms(body.ttl_seconds))
     logs.bind(
         organization_id=renewal.lock.organization_id,
         job_type=renewal.lock.job_type,
@@ -370,6 +375,19 @@ async def renew(
         lapsed=renewal.lapsed,
     )
     return RenewalBody.of_renewal(renewal)
+
+
+@asynccontextmanager
+async def _naming_the_lock(locks: Locks, caller: Caller, lock_id: int) -> AsyncIterator[None]:
+    """A holder told its lock ended (410) or given the wrong token (403): its log line and the
+    lost-lock metric name the organization and job type too. One more query, on those answers only."""
+    try:
+        yield
+    except (LockEnded, TokenMismatch):
+        with contextlib.suppress(LockError):
+            lock = await locks.get(caller, lock_id)
+            logs.bind(organization_id=lock.organization_id, job_type=lock.job_type)
+        raise
 
 
 health = APIRouter(tags=["service"])

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import api, logs, problems, queries, telemetry
+from service import api, problems, queries, telemetry
 from service.db import Database, create_pool
 from service.errors import DatabaseUnavailable, EmptyResult, LockError
 from service.keys import KeyRing
@@ -152,14 +152,6 @@ def _pattern(template: str) -> str:
     return "".join("[^/]+" if part.startswith("{") else re.escape(part) for part in parts)
 
 
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    response = problems.internal()
-    # Answered outside the middleware that adds the header to every other answer.
-    response.headers[telemetry.REQUEST_ID_HEADER] = logs.request_fields().get("request_id", "")
-    return response
-
-
 def _answer_waiters_on_stop(waiters: Waiters) -> Callable[[], None]:
     """Chain SIGTERM/SIGINT so that waiting acquires answer at once when the server is told to
     stop: uvicorn reaches the lifespan's shutdown only after every request has finished, and a
@@ -199,7 +191,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool = create_pool(settings)
-        await pool.open(wait=True, timeout=settings.pool_open_timeout_seconds)
+        # Not waiting for connections: a worker that starts while PostgreSQL is away (uvicorn
+        # replacing one that crashed, say) serves 503 until it is back, rather than failing to
+        # start, which makes uvicorn stop every worker.
+        await pool.open(wait=False)
         db = Database(pool, settings.query_deadline_seconds)
         app.state.locks = Locks(db)
         app.state.keys = keys = KeyRing(db, settings.allow_anonymous)
@@ -245,7 +240,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(LockError, _domain_error)
     app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(Exception, _unexpected)
     app.add_middleware(BodyLimit)
     app.add_middleware(telemetry.Observe, metrics=metrics)  # outermost: sees every answer
     app.state.metrics = metrics

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import FrameType
 
 import psycopg
+from pydantic import ValidationError
 
 from service import embedded, keys, logs, migrate, runner, telemetry
 from service.client import ApiError, HelixError, LockClient, LockHeld, LockLost
@@ -281,7 +282,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logs.configure()
+    try:
+        logs.configure()
+    except ValidationError as exc:
+        return _bad_setting(exc)
     args = parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
@@ -293,7 +297,18 @@ def main(argv: list[str] | None = None) -> int:
     except psycopg.OperationalError as exc:
         print(f"helix-locks: cannot reach the database: {exc}", file=sys.stderr)
         return 1
+    except ValidationError as exc:
+        return _bad_setting(exc)
     return code
+
+
+def _bad_setting(exc: ValidationError) -> int:
+    """A HELIX_LOCKS_* variable that does not parse: say which, without a traceback."""
+    prefix = "HELIX_LOCKS_LOG_" if exc.title == logs.LogSettings.__name__ else "HELIX_LOCKS_"
+    for error in exc.errors():
+        name = prefix + "_".join(str(part) for part in error["loc"]).upper()
+        print(f"helix-locks: {name}: {error['msg']}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ from contextvars import ContextVar
 from typing import Any, Literal
 
 import structlog
-from pydantic import Field
+import structlog.tracebacks
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from structlog.typing import EventDict, WrappedLogger
 
@@ -32,6 +33,13 @@ class LogSettings(BaseSettings):
 
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     format: Format = Field(default="auto")
+
+    @field_validator("level", "format", mode="before")
+    @classmethod
+    def _any_case(cls, value: object, info: ValidationInfo) -> object:
+        if not isinstance(value, str):
+            return value
+        return value.upper() if info.field_name == "level" else value.lower()
 
 
 @contextmanager
@@ -67,10 +75,21 @@ def _add_request_fields(logger: WrappedLogger, method: str, event: EventDict) ->
 def formatter(format: Format = "auto") -> structlog.stdlib.ProcessorFormatter:
     """The formatter of every handler; named in the logging config, so uvicorn's workers use it too."""
     text = format == "text" or (format == "auto" and sys.stderr.isatty())
+    # Tracebacks without local variables: a frame's locals hold the request's headers, and with
+    # them API keys and lock tokens.
     renderer: list[structlog.typing.Processor] = (
-        [structlog.dev.ConsoleRenderer(colors=False, timestamp_key="time")]
+        [
+            structlog.dev.ConsoleRenderer(
+                colors=False, timestamp_key="time", exception_formatter=structlog.dev.plain_traceback
+            )
+        ]
         if text
-        else [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+        else [
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            ),
+            structlog.processors.JSONRenderer(),
+        ]
     )
     return structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[

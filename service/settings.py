@@ -20,8 +20,6 @@ class Settings(BaseSettings):
     pool_max_size: int = Field(default=10, ge=1)
     # How long a request waits for a pooled connection before it answers 503.
     pool_timeout_seconds: float = Field(default=2.0, gt=0)
-    # How long the service waits for PostgreSQL at start before it gives up.
-    pool_open_timeout_seconds: float = Field(default=30.0, gt=0)
     # A statement that runs longer is cancelled and answered with 503: nothing hangs.
     statement_timeout_ms: int = Field(default=5000, ge=100)
     # Serve requests without an API key while no key exists at all. `serve` sets it when it

@@ -122,8 +122,11 @@ class Metrics:
         self._locks_read = 0.0
 
     def organization(self, fields: dict[str, Any]) -> str:
-        """The organization label: empty (no label, to Prometheus) unless enabled by setting."""
-        return str(fields.get("organization_id", "")) if self.label_organizations else ""
+        """The organization label: empty (no label, to Prometheus) unless enabled by setting, and
+        for a request refused for its organization (403), which names whatever it likes."""
+        if not self.label_organizations or fields.get("problem") == "forbidden":
+            return ""
+        return str(fields.get("organization_id", ""))
 
     def answered(self, name: str | None, path: str | None, method: str, status: int, seconds: float) -> None:
         """Count one finished request, from the fields the route and the error handlers bound."""
@@ -222,14 +225,14 @@ class Observe:
             return
         started = time.perf_counter()
         status = 500  # unless a response starts
-        started = False
+        responded = False
         with logs.request(request_id=request_id(scope)) as fields:
             rid = fields["request_id"].encode()
 
             async def send_with_id(message: Message) -> None:
-                nonlocal status, started
+                nonlocal status, responded
                 if message["type"] == "http.response.start":
-                    status, started = message["status"], True
+                    status, responded = message["status"], True
                     message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
                 await send(message)
 
@@ -238,9 +241,16 @@ class Observe:
             except asyncio.CancelledError:
                 # The server stopped waiting for this request (SIGTERM, and the grace time ran
                 # out): answer it, rather than let the server answer 500.
-                if started:
+                if responded:
                     raise
                 await problems.from_error(ShuttingDown())(scope, receive, send_with_id)
+            except Exception:
+                # Any other failure: logged once, with the request's fields, and answered 500
+                # with the request id like every other answer.
+                logger.exception("unhandled error on %s %s", scope["method"], scope["path"])
+                if responded:
+                    raise
+                await problems.internal()(scope, receive, send_with_id)
             finally:
                 seconds = time.perf_counter() - started
                 route = scope.get("route")

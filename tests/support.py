@@ -83,6 +83,20 @@ def running_service(
                 process.wait()
 
 
+def children(pid: int) -> set[int]:
+    """The processes whose parent is pid (read from /proc: Linux)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after it.
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
 def logged_requests(log: Path) -> list[dict[str, Any]]:
     """The request lines of a service's JSON log (HELIX_LOCKS_LOG_FORMAT=json, or not a terminal)."""
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]

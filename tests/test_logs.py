@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import httpx
+import psycopg
 
 from service import keys
 from tests.support import logged_requests, running_service
@@ -75,3 +78,36 @@ def test_text_for_a_terminal_and_a_level_to_quiet_it(db_url: str, tmp_path: Path
     assert len(lines) == 1
     assert f"request_id={response.headers['X-Request-Id']}" in lines[0]
     assert not lines[0].startswith("{")
+
+
+def test_a_failure_is_logged_once_with_its_request_id_and_no_secret(
+    db_url: str, tmp_path: Path, conn: psycopg.Connection[Any]
+) -> None:
+    key = keys.create(db_url, "acme")
+    log = tmp_path / "s.log"
+    with (
+        running_service(env={"DATABASE_URL": db_url, "HELIX_LOCKS_LOG_FORMAT": "json"}, log=log) as (url, _),
+        httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as http,
+    ):
+        lock = http.post("/v1/locks", json=lock_body()).json()
+        conn.execute("ALTER TABLE helix_job_locks RENAME TO helix_job_locks_gone")  # every call fails now
+        failed = [
+            http.post("/v1/locks", json=lock_body(job_type="b"), headers={"Idempotency-Key": "idem-7f3a9c"}),
+            http.delete(f"/v1/locks/{lock['id']}", headers={"Lock-Token": lock["token"]}),
+        ]
+    text = log.read_text()
+    for secret in (key, lock["token"], "idem-7f3a9c"):
+        assert secret not in text
+    lines = [json.loads(line) for line in text.splitlines()]
+    for answer in failed:
+        assert answer.status_code == 500
+        assert answer.json()["type"] == "urn:helix-locks:problem:internal-error"
+        request_id = answer.headers["X-Request-Id"]
+        assert request_id
+        logged = [line for line in lines if line.get("request_id") == request_id]
+        assert [line["event"] for line in logged] == [
+            f"unhandled error on {answer.request.method} {answer.request.url.path}",
+            "request",
+        ]
+        assert "UndefinedTable" in json.dumps(logged[0]["exception"])
+    assert not any("Exception in ASGI application" in line["event"] for line in lines)

@@ -101,6 +101,9 @@ async def test_every_outcome_is_counted(client: httpx.AsyncClient, conn: Conn) -
     latency = "helix_locks_http_request_duration_seconds_count"
     assert value(found, latency, method="POST", route="/v1/locks", status="201") == 5
     assert value(found, latency, method="DELETE", route="/v1/locks/{lock_id}", status="410") == 1
+    # In process, every request takes well under a second: each falls in the 1 s bucket.
+    bucket = "helix_locks_http_request_duration_seconds_bucket"
+    assert value(found, bucket, method="POST", route="/v1/locks", status="201", le="1.0") == 5
     assert value(found, "helix_locks_locks", state="held") == 1, held
     assert value(found, "helix_locks_locks", state="expired") == 1
     assert value(found, "helix_locks_pool_connections") >= 1
@@ -119,16 +122,25 @@ async def test_the_lock_gauges_are_read_at_most_every_few_seconds(
     assert value(samples((await client.get("/metrics")).text), "helix_locks_locks", state="held") == 2
 
 
-async def test_organizations_are_labels_only_when_asked(db_url: str, admin: str) -> None:
+async def test_organizations_are_labels_only_when_asked(db_url: str, admin: str, conn: Conn) -> None:
     async for client in app_client(db_url, admin, metrics_organization_label=True):
-        await client.post("/v1/locks", json=lock_body(organization_id="globex"))
+        lost = (await client.post("/v1/locks", json=lock_body(organization_id="globex"))).json()
+        expire(conn, lost["id"])
+        await client.post("/v1/locks", json=lock_body(organization_id="globex"))  # reclaims it
+        gone = await client.delete(f"/v1/locks/{lost['id']}", headers={"Lock-Token": lost["token"]})
+        assert gone.status_code == 410
         found = samples((await client.get("/metrics")).text)
         assert value(found, "helix_locks_acquisitions_total", organization="globex", result="granted") == 1
+        assert value(found, "helix_locks_acquisitions_total", organization="globex", result="reclaimed") == 1
+        # The 410 is counted against the lock's organization, though the request named none.
+        assert value(found, "helix_locks_releases_total", organization="globex", result="gone") == 1
+        assert value(found, "helix_locks_lost_total", organization="globex") == 1
 
 
 def test_every_worker_is_counted_whichever_answers_the_scrape(db_url: str, tmp_path: Path) -> None:
     """Two worker processes: each scrape, answered by either, counts both workers' requests."""
-    env = {"DATABASE_URL": db_url, "HELIX_LOCKS_POOL_MIN_SIZE": "2"}
+    # Two connections per worker, exactly.
+    env = {"DATABASE_URL": db_url, "HELIX_LOCKS_POOL_MIN_SIZE": "2", "HELIX_LOCKS_POOL_MAX_SIZE": "2"}
     with (
         running_service("--workers", "2", env=env, log=tmp_path / "s.log") as (url, _),
         httpx.Client(base_url=url) as http,

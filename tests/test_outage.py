@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import tempfile
@@ -18,7 +19,7 @@ import pytest
 
 from service import embedded
 from service.migrate import migrate
-from tests.support import running_service
+from tests.support import children, running_service
 from tests.test_api import lock_body
 
 
@@ -56,6 +57,15 @@ def own_postgres() -> Iterator[OwnPostgres]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def workers_of(pid: int) -> set[int]:
+    """uvicorn's worker processes (its other child is multiprocessing's resource tracker)."""
+    return {
+        child
+        for child in children(pid)
+        if "spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
+    }
+
+
 def timed(call: Any) -> tuple[httpx.Response, float]:
     started = time.monotonic()
     response = call()
@@ -67,7 +77,7 @@ def test_a_database_outage_is_503_and_the_service_recovers_by_itself(
 ) -> None:
     log = tmp_path / "s.log"
     with (
-        running_service(env={"DATABASE_URL": own_postgres.url}, log=log) as (url, server),
+        running_service("--workers", "2", env={"DATABASE_URL": own_postgres.url}, log=log) as (url, server),
         httpx.Client(base_url=url, timeout=30) as http,
     ):
         before = http.post("/v1/locks", json=lock_body(job_type="before")).json()
@@ -86,6 +96,12 @@ def test_a_database_outage_is_503_and_the_service_recovers_by_itself(
                 assert response.json()["type"] == "urn:helix-locks:problem:database-unavailable"
                 assert took < 2.5, f"answered 503 after {took:.2f} s"
         assert http.get("/healthz").status_code == 200, "alive all along"
+        # A worker that crashes meanwhile is replaced, and its replacement starts without a database.
+        workers = workers_of(server.pid)
+        assert len(workers) == 2, workers
+        crashed = min(workers)
+        os.kill(crashed, signal.SIGKILL)
+        wait_until(lambda: len(workers_of(server.pid) - {crashed}) == 2, timeout=15)
         # Long enough for reconnection attempts to back off far (they wait 1, 2, 4, 8, 16... s).
         while time.monotonic() - stopped < 16:
             assert http.get("/readyz").status_code == 503

@@ -70,3 +70,24 @@ async def test_only_one_replica_prunes_at_a_time(db_url: str, conn: Conn) -> Non
             assert await Pruner(Database(pool, 30.0), timedelta(days=7), 5000, 60).prune() == 0
         finally:
             await pool.close()
+
+
+def test_a_prune_with_nothing_to_delete_reads_almost_nothing(conn: Conn) -> None:
+    """The retained history is not read to find that nothing in it is old enough."""
+    conn.execute(
+        "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, fencing_token,"
+        " acquired_at, expires_at, released_at, release_reason)"
+        " SELECT 'acme', 'recent-' || n, 'w', md5(n::text), 1, now() - interval '1 day',"
+        "  now() - interval '23 hours', now() - interval '23 hours', 'released'"
+        " FROM generate_series(1, 20000) AS n"
+    )
+    conn.execute("ANALYZE helix_job_locks")
+    with conn.transaction():
+        deleted = conn.execute("SELECT helix_prune_history(interval '7 days', 1000)").fetchone()
+        read = conn.execute(
+            "SELECT seq_tup_read + coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables"
+            " WHERE relname = 'helix_job_locks'"
+        ).fetchone()
+    assert deleted == (0,)
+    assert read is not None
+    assert read[0] < 10, f"{read[0]} rows read to delete none"
