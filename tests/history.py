@@ -5,13 +5,17 @@ The guarantees it checks, per (organization_id, job_type):
 - no grant began (database time) before its predecessor ended, and a reclaim happened only after
   the reclaimed lease ran out;
 - no renewal of a lock succeeded after that lock had ended;
-- every grant a client was told about exists in the database, as told.
+- every grant a client was told about exists in the database, as told;
+- every release a client was told about (204) is in the database as released.
+An answer that never came is unknown, as Jepsen has it: it may or may not have taken effect, so
+the database may hold grants no client was told about (left to expire) but never fewer.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -59,7 +63,9 @@ def database_history(db_url: str) -> list[Grant]:
     return [Grant(r[0], (r[1], r[2]), r[3], r[4], r[5], r[6], r[7]) for r in rows]
 
 
-def check(grants: list[Grant], told: list[Told], renewed: list[Renewed]) -> list[str]:
+def check(
+    grants: list[Grant], told: list[Told], renewed: list[Renewed], released: Sequence[int] = ()
+) -> list[str]:
     """Every violation found; an empty list means the history is linearizable as a lock."""
     violations: list[str] = []
     by_key: dict[tuple[str, str], list[Grant]] = defaultdict(list)
@@ -97,4 +103,10 @@ def check(grants: list[Grant], told: list[Told], renewed: list[Renewed]) -> list
             answer.acquired_at,
         ):
             violations.append(f"lock {answer.lock_id}: the client was told {answer}, the database has {kept}")
+    for lock_id in released:
+        reason = stored[lock_id].release_reason if lock_id in stored else "lost"
+        if reason != "released":
+            violations.append(
+                f"lock {lock_id}: a client was told it was released, the database says {reason}"
+            )
     return violations

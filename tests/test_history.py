@@ -63,3 +63,13 @@ def test_a_grant_the_database_lost_is_caught() -> None:
     assert any("lost" in v for v in check(grants, [*told_of(grants), lost], []))
     wrong = replace(told_of(grants)[0], fencing_token=7)
     assert any("was told" in v for v in check(grants, [wrong], []))
+
+
+def test_a_release_the_database_lost_is_caught() -> None:
+    grants = sound()
+    assert check(grants, told_of(grants), [], released=[1]) == []
+    for lock_id, reason in ((2, "reclaimed"), (3, "None"), (99, "lost")):
+        violations = check(grants, told_of(grants), [], released=[lock_id])
+        assert violations == [
+            f"lock {lock_id}: a client was told it was released, the database says {reason}"
+        ], violations
