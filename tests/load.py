@@ -61,6 +61,7 @@ class Load:
     ttl: float = 1.0
     crash_rate: float = 0.15
     timeout: float = 15.0
+    api_key: str | None = None
     run: Run = field(default_factory=Run)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -107,7 +108,8 @@ class Load:
 
     async def _client(self, name: str, rng: random.Random) -> None:
         run = self.run
-        async with httpx.AsyncClient(timeout=self.timeout) as http:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        async with httpx.AsyncClient(timeout=self.timeout, headers=headers) as http:
             while not self._stop.is_set():
                 org, job = rng.choice(KEYS)
                 body = {"organization_id": org, "job_type": job, "holder": name, "ttl_seconds": self.ttl}
