@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service import keys
 from service.migrate import migrate
 from tests.history import check, database_history
 from tests.load import Load, Run
@@ -42,37 +43,34 @@ def cluster() -> Iterator[Cluster]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def load_for(seconds: float) -> None:
-    time.sleep(seconds)
-
-
 def test_no_overlap_and_no_lost_grant_through_failover_and_switchover(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     migrate(cluster.url)
+    admin = keys.create(cluster.url, None)  # as deployed: keys required
     with (
         running_service(env={"DATABASE_URL": cluster.url}, log=tmp_path / "s.log") as (url, server),
-        httpx.Client(base_url=url, timeout=15) as http,
+        httpx.Client(base_url=url, timeout=15, headers={"Authorization": f"Bearer {admin}"}) as http,
     ):
         body = {"organization_id": "acme", "job_type": "long-job", "holder": "survivor", "ttl_seconds": 600}
         survivor = http.post("/v1/locks", json=body).json()
 
-        with Load([url], clients=8, ttl=1.0) as load:
-            load_for(3)
+        with Load([url], clients=8, ttl=1.0, api_key=admin) as load:
+            time.sleep(3)
             killed_at = time.monotonic()
             old = cluster.kill_leader()
             cluster.wait_failover(old)
-            load_for(3)
+            time.sleep(3)
             failover_gap = load.run.longest_gap(killed_at - 0.5, time.monotonic())
             cluster.restart(old)
             cluster.wait_healthy()
-            load_for(2)
+            time.sleep(2)
             switched_at = time.monotonic()
             cluster.switchover()
-            load_for(3)
+            time.sleep(3)
             switchover_gap = load.run.longest_gap(switched_at - 0.5, time.monotonic())
             cluster.wait_healthy()
-            load_for(2)
+            time.sleep(2)
             ended_at = time.monotonic()
         run = load.run
 
