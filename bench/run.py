@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import queue
@@ -35,7 +36,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -54,6 +55,7 @@ from service import keys
 from service.migrate import migrate
 
 CPUS = os.cpu_count() or 1
+SIDES = ("helix", "etcd", "pgbench")
 REQUEST_TIMEOUT = 30  # seconds; an answer that takes longer counts as a failed cycle
 T = TypeVar("T")
 
@@ -84,6 +86,7 @@ class Result:
     errors: list[str]  # the first few failures, to show what went wrong
     load_cpu: float  # cores used by the load generator (or pgbench) during the window
     busy_cpu: float  # cores busy machine-wide during the window
+    acquires: list[float] = field(default_factory=list)  # the acquire alone (HTTP sides only)
 
     @property
     def p50_ms(self) -> float:
@@ -92,6 +95,14 @@ class Result:
     @property
     def p99_ms(self) -> float:
         return percentile(self.latencies, 99) * 1000
+
+    @property
+    def acquire_p50_ms(self) -> float:
+        return percentile(self.acquires, 50) * 1000
+
+    @property
+    def acquire_p99_ms(self) -> float:
+        return percentile(self.acquires, 99) * 1000
 
 
 def busy_cpu_ticks() -> tuple[int, int]:
@@ -332,6 +343,57 @@ def create_key(url: str, base_url: str, timeout: float = 10) -> str:
         time.sleep(0.1)
 
 
+@contextmanager
+def etcd_server(workdir: Path) -> Iterator[str]:
+    """A single-node etcd (Debian's etcd-server) on free ports, data in workdir; yields its URL.
+    It syncs its log to disk on every commit, as PostgreSQL does: both sides are durable."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise BenchError("etcd is not installed: apt-get install -y etcd-server")
+    client_url, peer_url = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+    command = [binary, "--name", "bench", "--data-dir", str(workdir / "etcd")]
+    command += ["--listen-client-urls", client_url, "--advertise-client-urls", client_url]
+    command += ["--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url]
+    command += ["--initial-cluster", f"bench={peer_url}"]
+    log_path = workdir / "etcd.log"
+    with log_path.open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            if process.poll() is not None:
+                raise BenchError(f"etcd exited with {process.returncode}:\n{tail(log_path)}")
+            with suppress(httpx.HTTPError):
+                if httpx.get(f"{client_url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise BenchError(f"etcd was not healthy after 30 s:\n{tail(log_path)}")
+            time.sleep(0.2)
+        yield client_url
+    finally:
+        stop(process)
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident memory (VmRSS), in MB; NaN when it is gone."""
+    with suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def worker_pids(pid: int) -> list[int]:
+    """uvicorn's worker processes under `helix-locks serve` (itself, with --workers 1)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with suppress(OSError, IndexError, ValueError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent == pid and b"spawn_main" in (stat.parent / "cmdline").read_bytes():
+                found.append(int(stat.parent.name))
+    return sorted(found) or [pid]
+
+
 def tail(path: Path, lines: int = 30) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -419,6 +481,7 @@ class Sample:
     """What one load process saw."""
 
     latencies: list[float] = field(default_factory=list)
+    acquires: list[float] = field(default_factory=list)  # of the acquire alone, in the window
     failures: int = 0
     errors: list[str] = field(default_factory=list)
     cpu_seconds: float = 0.0
@@ -434,47 +497,95 @@ def cpu_time() -> float:
     return times.user + times.system
 
 
-async def cycle(conn: Connection, auth: str, body: bytes, sample: Sample) -> bool:
-    """One acquire + release; False (and counted) unless both answer the expected 2xx.
+# One lock cycle of a side: acquire then release, on the client's own key. It returns how long
+# the acquire took, or None (counted in the sample) unless both answered as a free lock should.
+Cycle = Callable[[Connection, Sample], Awaitable[float | None]]
 
-    `auth` is the Authorization header line sent with both requests, or "" for none.
-    """
-    try:
+
+def helix_cycle(auth: str, job_type: str) -> Cycle:
+    """POST /v1/locks, DELETE /v1/locks/{id}; `auth` is the Authorization header line, or ""."""
+    request = {"organization_id": "bench", "job_type": job_type, "holder": "bench", "ttl_seconds": 30}
+    body = json.dumps(request).encode()
+
+    async def cycle(conn: Connection, sample: Sample) -> float | None:
+        began = time.perf_counter()
         status, answer = await conn.request(
             "POST", "/v1/locks", f"{auth}Content-Type: application/json\r\n", body
         )
+        acquired = time.perf_counter() - began
         if status != 201:
             sample.fail(f"POST /v1/locks -> {status} {answer[:300]!r}")
-            return False
+            return None
         grant = json.loads(answer)
         status, answer = await conn.request(
             "DELETE", f"/v1/locks/{grant['id']}", f"{auth}Lock-Token: {grant['token']}\r\n"
         )
         if status != 204:
             sample.fail(f"DELETE /v1/locks/{grant['id']} -> {status} {answer[:300]!r}")
-            return False
-    except (OSError, EOFError, ValueError, KeyError, asyncio.LimitOverrunError, httpx.HTTPError) as exc:
-        sample.fail(f"{type(exc).__name__}: {exc}")
-        return False
-    return True
+            return None
+        return acquired
+
+    return cycle
 
 
-async def client(
-    conn: Connection, auth: str, job_type: str, start: float, end: float, sample: Sample
-) -> None:
-    """Cycle on one key until `end`; keep the latency of every cycle that completes in [start, end)."""
-    request = {"organization_id": "bench", "job_type": job_type, "holder": "bench", "ttl_seconds": 30}
-    body = json.dumps(request).encode()
+def etcd_cycle(name: str) -> Cycle:
+    """etcd's JSON gateway: a put-if-absent transaction (compare create_revision = 0, put), then a
+    compare-and-delete transaction (compare mod_revision = the put's revision, delete)."""
+    key = base64.b64encode(f"helix-bench/{name}".encode()).decode()
+    value = base64.b64encode(b"bench").decode()
+    put = {
+        "compare": [{"key": key, "result": "EQUAL", "target": "CREATE", "create_revision": "0"}],
+        "success": [{"request_put": {"key": key, "value": value}}],
+    }
+    acquire = json.dumps(put).encode()
+    headers = "Content-Type: application/json\r\n"
+
+    async def cycle(conn: Connection, sample: Sample) -> float | None:
+        began = time.perf_counter()
+        status, answer = await conn.request("POST", "/v3/kv/txn", headers, acquire)
+        acquired = time.perf_counter() - began
+        reply = json.loads(answer) if status == 200 else {}
+        if not reply.get("succeeded"):
+            sample.fail(f"etcd put-if-absent -> {status} {answer[:300]!r}")
+            return None
+        revision = reply["header"]["revision"]
+        delete = {
+            "compare": [{"key": key, "result": "EQUAL", "target": "MOD", "mod_revision": revision}],
+            "success": [{"request_delete_range": {"key": key}}],
+        }
+        status, answer = await conn.request("POST", "/v3/kv/txn", headers, json.dumps(delete).encode())
+        if status != 200 or not json.loads(answer).get("succeeded"):
+            sample.fail(f"etcd compare-and-delete -> {status} {answer[:300]!r}")
+            return None
+        return acquired
+
+    return cycle
+
+
+async def client(conn: Connection, cycle: Cycle, start: float, end: float, sample: Sample) -> None:
+    """Cycle until `end`; keep the latencies of every cycle that completes in [start, end)."""
     try:
         while True:
             began = time.perf_counter()
-            ok = await cycle(conn, auth, body, sample)
+            try:
+                acquired = await cycle(conn, sample)
+            except (
+                OSError,
+                EOFError,
+                ValueError,
+                KeyError,
+                asyncio.LimitOverrunError,
+                httpx.HTTPError,
+            ) as exc:
+                sample.fail(f"{type(exc).__name__}: {exc}")
+                acquired = None
             done = time.perf_counter()
-            if ok and start <= done < end:
+            if acquired is not None and start <= done < end:
                 sample.latencies.append(done - began)
+                sample.acquires.append(acquired)
             if done >= end:
                 return
-            if not ok:
+            if acquired is None:
                 await asyncio.sleep(0.05)  # do not spin on a broken service
     finally:
         await conn.close()
@@ -487,23 +598,30 @@ async def cpu_probe(start: float, end: float, sample: Sample) -> None:
     sample.cpu_seconds = cpu_time() - before
 
 
+def cycles_of(side: str, auth: str, names: list[str]) -> list[Cycle]:
+    """The clients' cycles of a side ("helix" or "etcd"), one per name (each its own key)."""
+    if side == "etcd":
+        return [etcd_cycle(name) for name in names]
+    return [helix_cycle(auth, name) for name in names]
+
+
 async def load(
-    base_url: str, auth: str, job_types: list[str], warmup: int, duration: int, use_httpx: bool
+    base_url: str, side: str, auth: str, names: list[str], warmup: int, duration: int, use_httpx: bool
 ) -> Sample:
     sample = Sample()
     start = time.perf_counter() + warmup
     end = start + duration
-    limits = httpx.Limits(max_connections=len(job_types), max_keepalive_connections=len(job_types))
+    limits = httpx.Limits(max_connections=len(names), max_keepalive_connections=len(names))
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=REQUEST_TIMEOUT) as http:
         url = httpx.URL(base_url)
         connections: list[Connection] = [
-            HttpxConnection(http) if use_httpx else RawConnection(url.host, url.port or 80) for _ in job_types
+            HttpxConnection(http) if use_httpx else RawConnection(url.host, url.port or 80) for _ in names
         ]
         await asyncio.gather(
             cpu_probe(start, end, sample),
             *(
-                client(conn, auth, job, start, end, sample)
-                for conn, job in zip(connections, job_types, strict=True)
+                client(conn, cycle, start, end, sample)
+                for conn, cycle in zip(connections, cycles_of(side, auth, names), strict=True)
             ),
         )
     return sample
@@ -520,8 +638,9 @@ def run_loop(coroutine: Coroutine[Any, Any, T]) -> T:
 
 def load_process(
     base_url: str,
+    side: str,
     auth: str,
-    job_types: list[str],
+    names: list[str],
     warmup: int,
     duration: int,
     use_httpx: bool,
@@ -532,27 +651,34 @@ def load_process(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and ends us
     try:
         barrier.wait(timeout=60)
-        results.put(run_loop(load(base_url, auth, job_types, warmup, duration, use_httpx)))
+        results.put(run_loop(load(base_url, side, auth, names, warmup, duration, use_httpx)))
     except BaseException as exc:
         results.put(f"load process failed: {exc!r}")
 
 
 def run_http(
-    base_url: str, key: str | None, clients: int, processes: int, warmup: int, duration: int, use_httpx: bool
+    base_url: str,
+    side: str,
+    key: str | None,
+    clients: int,
+    processes: int,
+    warmup: int,
+    duration: int,
+    use_httpx: bool,
+    run: int = 0,
 ) -> Result:
-    """`clients` clients cycling for `warmup` + `duration` s, anonymously or with the API key."""
+    """`clients` clients of a side cycling for `warmup` + `duration` s, each on a key of its own."""
     ctx = get_context("spawn")  # a clean interpreter: no inherited handlers or connections
     count = max(1, min(processes, clients))
     barrier = ctx.Barrier(count + 1)
     results: Queue[Sample | str] = ctx.Queue()
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    side = "keyed" if key else "anon"
-    # A fresh lock key (organization, job type) per client, level and side.
-    job_types = [f"http-{side}-{clients}-{n}" for n in range(clients)]
+    # A fresh lock key per client, level, side and run.
+    names = [f"{side}-{clients}-{run}-{n}" for n in range(clients)]
     workers = [
         ctx.Process(
             target=load_process,
-            args=(base_url, auth, job_types[n::count], warmup, duration, use_httpx, barrier, results),
+            args=(base_url, side, auth, names[n::count], warmup, duration, use_httpx, barrier, results),
             daemon=True,
         )
         for n in range(count)
@@ -592,6 +718,7 @@ def run_http(
         errors=[error for sample in samples for error in sample.errors],
         load_cpu=sum(sample.cpu_seconds for sample in samples) / duration,
         busy_cpu=busy_cores(before, after),
+        acquires=sorted(acquire for sample in samples for acquire in sample.acquires),
     )
 
 
@@ -668,7 +795,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--duration", type=int, help="seconds measured per level and side (default: 10)")
     parser.add_argument("--warmup", type=int, help="seconds of warm-up before each measurement (default: 3)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 3 s per level after 1 s of warm-up")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: one run, 3 s per level after 1 s of warm-up"
+    )
+    parser.add_argument(
+        "--runs", type=int, help="runs of every level and side; medians are reported (default: 3)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="service worker processes (default: 2)")
     parser.add_argument(
         "--processes",
@@ -695,25 +827,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--clients takes positive integers")
     args.duration = args.duration or (3 if args.quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    if args.duration < 1 or args.warmup < 0 or args.workers < 1 or args.processes < 1:
-        parser.error("--duration, --workers and --processes must be at least 1, --warmup at least 0")
+    args.runs = args.runs or (1 if args.quick else 3)
+    if min(args.duration, args.workers, args.processes, args.runs) < 1 or args.warmup < 0:
+        parser.error("--duration, --workers, --processes and --runs must be at least 1, --warmup at least 0")
     return args
 
 
-def table(levels: list[int], anon: list[Result], keyed: list[Result], pg: list[Result]) -> str:
+def median(results: list[Result]) -> Result:
+    """The run with the median cycles/s (the upper one of an even count)."""
+    return sorted(results, key=lambda result: result.cycles_per_second)[len(results) // 2]
+
+
+def table(levels: list[int], helix: list[Result], etcd: list[Result], pg: list[Result]) -> str:
     header = (
-        f"{'clients':>7} | {'anon cycles/s':>13} {'p50 ms':>7} {'p99 ms':>7} | "
-        f"{'keyed cycles/s':>14} {'p50 ms':>7} {'p99 ms':>7} | "
-        f"{'pgbench cycles/s':>16} {'p50 ms':>7} {'p99 ms':>7} | {'keyed/anon':>10} | {'keyed/pgbench':>13}"
+        f"{'clients':>7} | {'helix cycles/s':>14} {'p50 ms':>7} {'p99 ms':>7}"
+        f" {'acquire p50':>11} {'p99':>6} | {'etcd cycles/s':>13} {'p50 ms':>7} {'p99 ms':>7} | "
+        f"{'pgbench cycles/s':>16} {'p50 ms':>7} {'p99 ms':>7} | {'helix/etcd':>10} | {'helix/pgbench':>13}"
     )
     lines = [header, "-" * len(header)]
-    for clients, a, k, p in zip(levels, anon, keyed, pg, strict=True):
+    for clients, h, e, p in zip(levels, helix, etcd, pg, strict=True):
         lines.append(
-            f"{clients:>7} | {a.cycles_per_second:>13,.0f} {a.p50_ms:>7.2f} {a.p99_ms:>7.2f} | "
-            f"{k.cycles_per_second:>14,.0f} {k.p50_ms:>7.2f} {k.p99_ms:>7.2f} | "
+            f"{clients:>7} | {h.cycles_per_second:>14,.0f} {h.p50_ms:>7.2f} {h.p99_ms:>7.2f}"
+            f" {h.acquire_p50_ms:>11.2f} {h.acquire_p99_ms:>6.2f} | "
+            f"{e.cycles_per_second:>13,.0f} {e.p50_ms:>7.2f} {e.p99_ms:>7.2f} | "
             f"{p.cycles_per_second:>16,.0f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} | "
-            f"{k.cycles_per_second / a.cycles_per_second:>10.2f} | "
-            f"{k.cycles_per_second / p.cycles_per_second:>13.2f}"
+            f"{h.cycles_per_second / e.cycles_per_second:>10.2f} | "
+            f"{h.cycles_per_second / p.cycles_per_second:>13.2f}"
         )
     return "\n".join(lines)
 
@@ -727,31 +866,43 @@ def log(message: str) -> None:
 
 
 def report(
-    args: argparse.Namespace, setup: list[str], anon: list[Result], keyed: list[Result], pg: list[Result]
+    args: argparse.Namespace,
+    setup: list[str],
+    runs: dict[str, list[list[Result]]],
+    rss: list[float],
 ) -> str:
+    helix, etcd, pg = ([median(level) for level in runs[side]] for side in SIDES)
     lines = [
-        "Helix Locks: acquire+release cycles/s and latency, each client cycling on its own key",
-        f"  {args.warmup} s warm-up + {args.duration} s measured per level and side;"
-        f" {CPUS} CPUs shared by everything",
+        "Helix Locks beside etcd and pgbench: acquire+release cycles/s and latency,"
+        " each client on its own key",
+        f"  {args.runs} run(s) of {args.warmup} s warm-up + {args.duration} s measured per level and side,"
+        f" sides in turn; the median run is shown; {CPUS} CPUs shared by everything",
         *(f"  {line}" for line in setup),
         "",
-        table(args.levels, anon, keyed, pg),
+        table(args.levels, helix, etcd, pg),
         "",
-        f"CPU busy in the measured windows, in cores of {CPUS}:",
+        "cycles/s of every run, in order:",
     ]
-    for clients, a, k, p in zip(args.levels, anon, keyed, pg, strict=True):
+    for side, levels in runs.items():
+        for clients, results in zip(args.levels, levels, strict=True):
+            figures = ", ".join(f"{result.cycles_per_second:,.0f}" for result in results)
+            lines.append(f"  {side:>7} at {clients:>3} clients: {figures}")
+    lines += ["", f"CPU busy in the measured windows (median run), in cores of {CPUS}:"]
+    for clients, h, e, p in zip(args.levels, helix, etcd, pg, strict=True):
         lines.append(
-            f"{clients:>7} clients: anon run {a.busy_cpu:.2f} (load generator {a.load_cpu:.2f}),"
-            f" keyed run {k.busy_cpu:.2f} (load generator {k.load_cpu:.2f}),"
-            f" pgbench run {p.busy_cpu:.2f} (pgbench itself {p.load_cpu:.2f})"
+            f"{clients:>7} clients: helix {h.busy_cpu:.2f} (load generator {h.load_cpu:.2f}),"
+            f" etcd {e.busy_cpu:.2f} (load generator {e.load_cpu:.2f}),"
+            f" pgbench {p.busy_cpu:.2f} (pgbench itself {p.load_cpu:.2f})"
         )
-    anon_failures, keyed_failures, pg_failures = (sum(r.failures for r in side) for side in (anon, keyed, pg))
+    lines.append("service worker RSS after the runs: " + ", ".join(f"{mb:.1f} MB" for mb in rss))
+    failures = {side: sum(r.failures for level in levels for r in level) for side, levels in runs.items()}
     lines += [
         "",
-        f"failed cycles (non-2xx or no answer): HTTP anon {anon_failures}, HTTP keyed {keyed_failures},"
-        f" pgbench {pg_failures}",
+        "failed cycles (unexpected answer or none): " + ", ".join(f"{k} {v}" for k, v in failures.items()),
     ]
-    errors = [error for result in anon + keyed for error in result.errors]
+    errors = [
+        error for levels in runs.values() for level in levels for result in level for error in result.errors
+    ]
     lines += [f"  e.g. {error}" for error in errors[:5]]
     return "\n".join(lines)
 
@@ -761,9 +912,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupted)
     # Anything else running skews the numbers on a small machine: say how busy it was.
     setup = [f"load average before the run: {' '.join(f'{value:.2f}' for value in os.getloadavg())}"]
-    anon: list[Result] = []
-    keyed: list[Result] = []
-    pg: list[Result] = []
+    runs: dict[str, list[list[Result]]] = {
+        side: [[] for _ in args.levels] for side in ("helix", "etcd", "pgbench")
+    }
     try:
         with ExitStack() as cleanup:
             workdir = Path(tempfile.mkdtemp(prefix="helix-bench-"))
@@ -778,34 +929,57 @@ def main(argv: list[str] | None = None) -> int:
             log(setup[-1])
             setup.append(check_plans(url))
             log(setup[-1])
-            base_url = cleanup.enter_context(service(url, args.workers, workdir / "service.log"))
+            base_url, process = cleanup.enter_context(
+                service_process(url, args.workers, workdir / "service.log")
+            )
+            key = create_key(url, base_url)
+            etcd_url = cleanup.enter_context(etcd_server(workdir))
             client = "httpx.AsyncClient" if args.httpx else "a minimal HTTP/1.1 client"
             processes = min(args.processes, max(args.levels))
             setup.append(
-                f"HTTP: POST /v1/locks + DELETE /v1/locks/{{id}} to helix-locks serve"
-                f" --workers {args.workers}, from {processes} load process(es) running {client}"
+                "helix: POST /v1/locks + DELETE /v1/locks/{id} to helix-locks serve"
+                f" --workers {args.workers}, with an organization API key (keys required, as deployed)"
             )
             setup.append(
-                "HTTP runs: anon (no API key exists yet) at every level, then keyed (an organization key"
-                ' for "bench" sent as Authorization: Bearer on both requests) at every level'
+                "etcd: a single node (Debian's etcd-server), its JSON gateway: a put-if-absent transaction,"
+                " then a compare-and-delete transaction on the put's revision"
             )
-            setup.append("pgbench: the same two function calls, -M prepared, one transaction per cycle")
+            setup.append(f"HTTP load: {processes} load process(es) running {client}, keep-alive connections")
+            setup.append("pgbench: the same two SQL function calls, -M prepared, one transaction per cycle")
             timing = f"{args.warmup} s warm-up + {args.duration} s"
-            for clients in args.levels:
-                log(f"{clients} client(s): HTTP anon, {timing} ...")
-                anon.append(
-                    run_http(base_url, None, clients, args.processes, args.warmup, args.duration, args.httpx)
-                )
-            key = create_key(url, base_url)
-            log("made an API key for organization bench; anonymous requests now get 401")
-            for clients in args.levels:
-                log(f"{clients} client(s): HTTP keyed, {timing} ...")
-                keyed.append(
-                    run_http(base_url, key, clients, args.processes, args.warmup, args.duration, args.httpx)
-                )
-            for clients in args.levels:
-                log(f"{clients} client(s): pgbench, {timing} ...")
-                pg.append(run_pgbench(url, clients, args.warmup, args.duration, workdir))
+            for run in range(args.runs):
+                for index, clients in enumerate(args.levels):
+                    log(f"run {run + 1}/{args.runs}, {clients} client(s): each side {timing} ...")
+                    runs["helix"][index].append(
+                        run_http(
+                            base_url,
+                            "helix",
+                            key,
+                            clients,
+                            args.processes,
+                            args.warmup,
+                            args.duration,
+                            args.httpx,
+                            run,
+                        )
+                    )
+                    runs["etcd"][index].append(
+                        run_http(
+                            etcd_url,
+                            "etcd",
+                            None,
+                            clients,
+                            args.processes,
+                            args.warmup,
+                            args.duration,
+                            args.httpx,
+                            run,
+                        )
+                    )
+                    runs["pgbench"][index].append(
+                        run_pgbench(url, clients, args.warmup, args.duration, workdir)
+                    )
+            rss = [rss_mb(pid) for pid in worker_pids(process.pid)]
     except KeyboardInterrupt:
         log("interrupted; everything it started is stopped and removed")
         return 130
@@ -815,8 +989,8 @@ def main(argv: list[str] | None = None) -> int:
     except psycopg.Error as exc:
         log(f"database error: {exc}")
         return 1
-    print(report(args, setup, anon, keyed, pg))
-    failures = sum(result.failures for result in anon + keyed + pg)
+    print(report(args, setup, runs, rss))
+    failures = sum(result.failures for levels in runs.values() for level in levels for result in level)
     return 0 if failures == 0 else 1
 
 

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupted)
     with tempfile.TemporaryDirectory(prefix="helix-soak-") as tmp, bench_database(Path(tmp)) as (url, where):
         migrate(url)
-        api_key = keys.create(url, "acme")
+        api_key = keys.create(url, None)  # an admin key: the clients work in two organizations
         with service_process(url, 1, Path(tmp) / "serve.log") as (base_url, process):
             log(f"{where}; service at {base_url}; {args.clients} clients for {args.minutes} min")
             rss_start = rss_mb(process.pid)
