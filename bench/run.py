@@ -87,6 +87,7 @@ class Result:
     load_cpu: float  # cores used by the load generator (or pgbench) during the window
     busy_cpu: float  # cores busy machine-wide during the window
     acquires: list[float] = field(default_factory=list)  # the acquire alone (HTTP sides only)
+    conflicts: list[float] = field(default_factory=list)  # 409 answers (the hot key only)
 
     @property
     def p50_ms(self) -> float:
@@ -482,6 +483,8 @@ class Sample:
 
     latencies: list[float] = field(default_factory=list)
     acquires: list[float] = field(default_factory=list)  # of the acquire alone, in the window
+    conflicts: list[float] = field(default_factory=list)  # of 409 answers (hot key), in the window
+    window: tuple[float, float] = (0.0, 0.0)  # perf_counter() start and end of the measurement
     failures: int = 0
     errors: list[str] = field(default_factory=list)
     cpu_seconds: float = 0.0
@@ -516,6 +519,40 @@ def helix_cycle(auth: str, job_type: str) -> Cycle:
         if status != 201:
             sample.fail(f"POST /v1/locks -> {status} {answer[:300]!r}")
             return None
+        grant = json.loads(answer)
+        status, answer = await conn.request(
+            "DELETE", f"/v1/locks/{grant['id']}", f"{auth}Lock-Token: {grant['token']}\r\n"
+        )
+        if status != 204:
+            sample.fail(f"DELETE /v1/locks/{grant['id']} -> {status} {answer[:300]!r}")
+            return None
+        return acquired
+
+    return cycle
+
+
+def helix_hot_cycle(auth: str) -> Cycle:
+    """Every client on one key: acquire until granted (each 409 timed), then release."""
+    request = {"organization_id": "bench", "job_type": "hot-key", "holder": "bench", "ttl_seconds": 30}
+    body = json.dumps(request).encode()
+
+    async def cycle(conn: Connection, sample: Sample) -> float | None:
+        while True:
+            began = time.perf_counter()
+            status, answer = await conn.request(
+                "POST", "/v1/locks", f"{auth}Content-Type: application/json\r\n", body
+            )
+            if status != 409:
+                break
+            done = time.perf_counter()
+            if sample.window[0] <= done < sample.window[1]:
+                sample.conflicts.append(done - began)
+            if done >= sample.window[1]:
+                return None
+        if status != 201:
+            sample.fail(f"POST /v1/locks -> {status} {answer[:300]!r}")
+            return None
+        acquired = time.perf_counter() - began
         grant = json.loads(answer)
         status, answer = await conn.request(
             "DELETE", f"/v1/locks/{grant['id']}", f"{auth}Lock-Token: {grant['token']}\r\n"
@@ -599,18 +636,20 @@ async def cpu_probe(start: float, end: float, sample: Sample) -> None:
 
 
 def cycles_of(side: str, auth: str, names: list[str]) -> list[Cycle]:
-    """The clients' cycles of a side ("helix" or "etcd"), one per name (each its own key)."""
+    """The clients' cycles of a side: "helix" or "etcd" (one key each), or "hot" (one key for all)."""
     if side == "etcd":
         return [etcd_cycle(name) for name in names]
+    if side == "hot":
+        return [helix_hot_cycle(auth) for _ in names]
     return [helix_cycle(auth, name) for name in names]
 
 
 async def load(
     base_url: str, side: str, auth: str, names: list[str], warmup: int, duration: int, use_httpx: bool
 ) -> Sample:
-    sample = Sample()
     start = time.perf_counter() + warmup
     end = start + duration
+    sample = Sample(window=(start, end))
     limits = httpx.Limits(max_connections=len(names), max_keepalive_connections=len(names))
     async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=REQUEST_TIMEOUT) as http:
         url = httpx.URL(base_url)
@@ -719,6 +758,7 @@ def run_http(
         load_cpu=sum(sample.cpu_seconds for sample in samples) / duration,
         busy_cpu=busy_cores(before, after),
         acquires=sorted(acquire for sample in samples for acquire in sample.acquires),
+        conflicts=sorted(conflict for sample in samples for conflict in sample.conflicts),
     )
 
 
@@ -869,6 +909,7 @@ def report(
     args: argparse.Namespace,
     setup: list[str],
     runs: dict[str, list[list[Result]]],
+    hot: Result,
     rss: list[float],
 ) -> str:
     helix, etcd, pg = ([median(level) for level in runs[side]] for side in SIDES)
@@ -894,7 +935,16 @@ def report(
             f" etcd {e.busy_cpu:.2f} (load generator {e.load_cpu:.2f}),"
             f" pgbench {p.busy_cpu:.2f} (pgbench itself {p.load_cpu:.2f})"
         )
-    lines.append("service worker RSS after the runs: " + ", ".join(f"{mb:.1f} MB" for mb in rss))
+    conflict_p50, conflict_p99 = (percentile(hot.conflicts, pct) * 1000 for pct in (50, 99))
+    lines += [
+        "",
+        f"hot key: {max(args.levels)} clients fighting over one key for {args.duration} s:"
+        f" {hot.cycles_per_second:,.0f} grants/s, acquire answered 201 p50/p99"
+        f" {hot.acquire_p50_ms:.2f}/{hot.acquire_p99_ms:.2f} ms; {len(hot.conflicts) / args.duration:,.0f}"
+        f" answers 409/s, p50/p99 {conflict_p50:.2f}/{conflict_p99:.2f} ms;"
+        f" 409 p50 / 201 p50 = {conflict_p50 / hot.acquire_p50_ms:.2f}",
+        "service worker RSS after the runs: " + ", ".join(f"{mb:.1f} MB" for mb in rss),
+    ]
     failures = {side: sum(r.failures for level in levels for r in level) for side, levels in runs.items()}
     lines += [
         "",
@@ -979,6 +1029,10 @@ def main(argv: list[str] | None = None) -> int:
                     runs["pgbench"][index].append(
                         run_pgbench(url, clients, args.warmup, args.duration, workdir)
                     )
+            log(f"hot key: {max(args.levels)} clients on one key, {timing} ...")
+            hot = run_http(
+                base_url, "hot", key, max(args.levels), args.processes, args.warmup, args.duration, args.httpx
+            )
             rss = [rss_mb(pid) for pid in worker_pids(process.pid)]
     except KeyboardInterrupt:
         log("interrupted; everything it started is stopped and removed")
@@ -989,7 +1043,7 @@ def main(argv: list[str] | None = None) -> int:
     except psycopg.Error as exc:
         log(f"database error: {exc}")
         return 1
-    print(report(args, setup, runs, rss))
+    print(report(args, setup, runs, hot, rss))
     failures = sum(result.failures for levels in runs.values() for level in levels for result in level)
     return 0 if failures == 0 else 1
 
