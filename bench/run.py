@@ -1,14 +1,17 @@
-"""Benchmark: acquire+release cycles over HTTP, without and with an API key, against the same SQL
-driven by pgbench (the limit).
+"""Benchmark: Helix Locks beside etcd and pgbench, acquire+release cycles, in one run.
 
-    python bench/run.py            # 1, 8 and 32 clients, 3 s warm-up + 10 s measured per level
-    python bench/run.py --quick    # smoke run: 1 s warm-up + 3 s measured per level
+    python bench/run.py            # 1, 8 and 32 clients; 3 runs of 3 s warm-up + 10 s per level and side
+    python bench/run.py --quick    # smoke run: 1 run of 1 s warm-up + 3 s
 
-One cycle is POST /v1/locks then DELETE /v1/locks/{id}; every client cycles on its own key, so
-nothing conflicts. The HTTP runs go first anonymously, while no API key exists, then again with an
-organization key for "bench" sent as Authorization: Bearer on every request: keyed/anon is the
-cost of authentication. pgbench then runs helix_acquire_job_lock + helix_release_job_lock with the
-same client counts and durations, which is as fast as these cycles can go on this database.
+One cycle takes a lock and gives it back, each client on a key of its own, so nothing conflicts:
+- helix: POST /v1/locks then DELETE /v1/locks/{id} to `helix-locks serve --workers 2`, with an
+  organization API key sent as Authorization: Bearer (keys required, as deployed);
+- etcd: a single-node etcd (Debian's etcd-server) through its JSON gateway, a put-if-absent
+  transaction then a compare-and-delete on the put's revision;
+- pgbench: helix_acquire_job_lock + helix_release_job_lock, prepared: as fast as these cycles can
+  go on this database.
+The sides take turns within each run; the median run is reported, with the ratios Helix/etcd and
+Helix/pgbench. Then 32 clients fight over one key (the hot key): the 409 answers beside the grants.
 
 The database is a throwaway one: `helix_bench_<random>` on DATABASE_URL's server when that is set,
 else an embedded PostgreSQL in a temporary directory. It is seeded (released history and live
