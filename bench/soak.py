@@ -88,14 +88,15 @@ def report_over_time(load: Load, args: argparse.Namespace, started: float, pid: 
     print(" ".join(f"{name:>10}" for name in columns), flush=True)
     seen_grants = seen_acquires = 0
     while (elapsed := time.monotonic() - started) < args.minutes * 60:
-        time.sleep(min(args.report_every, args.minutes * 60 - elapsed))
+        interval = min(args.report_every, args.minutes * 60 - elapsed)
+        time.sleep(interval)
         run = load.run
         grants, acquires = len(run.granted_at), len(run.latencies)
         window = sorted(run.latencies[seen_acquires:acquires])
         values = (
             f"{(time.monotonic() - started) / 60:.1f}",
-            f"{(grants - seen_grants) / args.report_every:.1f}",
-            f"{(acquires - seen_acquires) / args.report_every:.1f}",
+            f"{(grants - seen_grants) / interval:.1f}",
+            f"{(acquires - seen_acquires) / interval:.1f}",
             f"{percentile(window, 99) * 1000:.1f}",
             str(run.crashes),
             str(sum(run.errors().values()) + run.unknown),

@@ -4,7 +4,9 @@ The guarantees it checks, per (organization_id, job_type):
 - fencing tokens are unique and strictly increase in the order grants were made;
 - no grant began (database time) before its predecessor ended, and a reclaim happened only after
   the reclaimed lease ran out;
-- no renewal of a lock succeeded after that lock had ended;
+- no renewal of a lock succeeded after that lock had ended, and none was lost: the database keeps
+  at least the latest expiry a renewal announced (renewals in a run never shorten a lease), and a
+  reclaim came only after that expiry;
 - every grant a client was told about exists in the database, as told;
 - every release a client was told about (204) is in the database as released.
 An answer that never came is unknown, as Jepsen has it: it may or may not have taken effect, so
@@ -47,10 +49,11 @@ class Told:
 
 @dataclass(frozen=True)
 class Renewed:
-    """A 200 answer to a renewal; renewed_at is the database time of the renewal."""
+    """A 200 answer to a renewal: when it was made (database time) and the expiry it announced."""
 
     lock_id: int
     renewed_at: datetime
+    expires_at: datetime
 
 
 def database_history(db_url: str) -> list[Grant]:
@@ -68,6 +71,9 @@ def check(
 ) -> list[str]:
     """Every violation found; an empty list means the history is linearizable as a lock."""
     violations: list[str] = []
+    promised: dict[int, datetime] = {}  # the latest expiry a renewal announced, per lock
+    for renewal in renewed:
+        promised[renewal.lock_id] = max(renewal.expires_at, promised.get(renewal.lock_id, renewal.expires_at))
     by_key: dict[tuple[str, str], list[Grant]] = defaultdict(list)
     for grant in grants:
         by_key[grant.key].append(grant)
@@ -83,8 +89,16 @@ def check(
                 violations.append(f"{where}: granted while its predecessor was never released")
             elif after.acquired_at < before.released_at:
                 violations.append(f"{where}: overlap, granted {before.released_at - after.acquired_at} early")
-            if before.release_reason == "reclaimed" and after.acquired_at < before.expires_at:
+            lease_end = max(before.expires_at, promised.get(before.lock_id, before.expires_at))
+            if before.release_reason == "reclaimed" and after.acquired_at < lease_end:
                 violations.append(f"{where}: reclaimed before its lease expired")
+    kept_until = {grant.lock_id: grant.expires_at for grant in grants}
+    for lock_id, expiry in promised.items():
+        if lock_id in kept_until and kept_until[lock_id] < expiry:
+            kept_expiry = kept_until[lock_id]
+            violations.append(
+                f"lock {lock_id}: a renewal announced expiry {expiry}, the database kept {kept_expiry}"
+            )
     ended = {grant.lock_id: grant.released_at for grant in grants}
     for renewal in renewed:
         end = ended.get(renewal.lock_id)
@@ -104,7 +118,7 @@ def check(
         ):
             violations.append(f"lock {answer.lock_id}: the client was told {answer}, the database has {kept}")
     for lock_id in released:
-        reason = stored[lock_id].release_reason if lock_id in stored else "lost"
+        reason = (stored[lock_id].release_reason or "not released") if lock_id in stored else "lost"
         if reason != "released":
             violations.append(
                 f"lock {lock_id}: a client was told it was released, the database says {reason}"

@@ -40,16 +40,36 @@ class Run:
     def count(self, operation: str, status: int) -> None:
         self.answers[f"{operation} {status}"] += 1
 
+    def snapshot(self) -> dict[str, int]:
+        """The answers so far, read safely while the clients' thread may add to them."""
+        while True:
+            try:
+                return dict(self.answers)
+            except RuntimeError:  # changed size during the copy
+                continue
+
     def errors(self) -> dict[str, int]:
         """Answers no client should ever get: any 5xx but 503, any 4xx the run cannot cause."""
         expected = {"acquire 201", "acquire 409", "acquire 503", "renew 200", "renew 410", "renew 503"}
         expected |= {"release 204", "release 410", "release 503"}
-        return {answer: n for answer, n in self.answers.items() if answer not in expected}
+        return {answer: n for answer, n in self.snapshot().items() if answer not in expected}
 
-    def longest_gap(self, start: float, end: float) -> float:
-        """The longest time between grants (any client, any key) within [start, end]."""
-        moments = [start, *(t for t in sorted(self.granted_at) if start < t < end), end]
-        return max(later - earlier for earlier, later in itertools.pairwise(moments))
+    def unavailable(self) -> int:
+        """503 answers, to any request."""
+        return sum(n for answer, n in self.snapshot().items() if answer.endswith(" 503"))
+
+    def first_grant_after(self, moment: float) -> float | None:
+        return min((t for t in self.granted_at if t > moment), default=None)
+
+    def longest_gap(self, start: float, until: float) -> float:
+        """The longest wait between consecutive grants, from the last grant before `start` to the
+        first grant after `until`; AssertionError if no grant came after `until`."""
+        after = self.first_grant_after(until)
+        assert after is not None, "no grant came after the fault"
+        times = sorted(t for t in self.granted_at if t <= after)
+        before = max((t for t in times if t <= start), default=start)
+        window = [before, *(t for t in times if t > before)]
+        return max(later - earlier for earlier, later in itertools.pairwise(window))
 
 
 @dataclass
@@ -62,21 +82,33 @@ class Load:
     crash_rate: float = 0.15
     timeout: float = 15.0
     api_key: str | None = None
+    name: str = "worker"  # clients are NAME-0, NAME-1...; each seeds its random choices by number
     run: Run = field(default_factory=Run)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _failure: BaseException | None = None
 
     def start(self) -> Load:
-        self._thread = threading.Thread(target=anyio.run, args=(self._clients,), name="load")
+        self._thread = threading.Thread(target=self._main, name=f"load-{self.name}")
         self._thread.start()
         return self
 
     def stop(self) -> Run:
+        """Stop the clients; re-raises whatever stopped them early."""
         self._stop.set()
         assert self._thread is not None
-        self._thread.join(timeout=self.timeout + 10)
+        # A client may be in a cycle's last three requests, each allowed `timeout`.
+        self._thread.join(timeout=3 * self.timeout + 10)
         assert not self._thread.is_alive(), "a client hung"
+        if self._failure is not None:
+            raise self._failure
         return self.run
+
+    def _main(self) -> None:
+        try:
+            anyio.run(self._clients)
+        except BaseException as exc:  # for stop() to raise in the test's thread
+            self._failure = exc
 
     def __enter__(self) -> Load:
         return self.start()
@@ -87,7 +119,7 @@ class Load:
     async def _clients(self) -> None:
         async with anyio.create_task_group() as group:
             for n in range(self.clients):
-                group.start_soon(self._client, f"worker-{n}", random.Random(n))
+                group.start_soon(self._client, f"{self.name}-{n}", random.Random(f"{self.name}-{n}"))
 
     async def _call(
         self, http: httpx.AsyncClient, operation: str, method: str, url: str, **kwargs: object
@@ -141,7 +173,8 @@ class Load:
                     if renewal is None or renewal.status_code != 200:
                         continue  # lost, or unknown: give the lock up
                     expires_at = datetime.fromisoformat(renewal.json()["expires_at"])
-                    run.renewed.append(Renewed(grant["id"], expires_at - timedelta(seconds=self.ttl)))
+                    renewed_at = expires_at - timedelta(seconds=self.ttl)
+                    run.renewed.append(Renewed(grant["id"], renewed_at, expires_at))
                     await anyio.sleep(rng.uniform(0, 0.03))
                 lock_url = f"{rng.choice(self.urls)}/v1/locks/{grant['id']}"
                 release = await self._call(http, "release", "DELETE", lock_url, headers=headers)

@@ -1,7 +1,9 @@
 """Fuzzing the API with schemathesis, from the checked-in OpenAPI, against a real service with keys.
 
 Every answer must conform to the schema (status, headers, body), no answer may be a 5xx, and
-every error must be a problem+json. HELIX_FUZZ_EXAMPLES sets the examples per operation (CI: 50).
+every error must be a problem+json. HELIX_FUZZ_EXAMPLES sets the random examples per operation
+(default 50), on top of the cases schemathesis derives from the schema itself: about 540 requests
+in all, the same on every run.
 """
 
 from __future__ import annotations
@@ -44,18 +46,21 @@ def test_every_answer_conforms_and_no_error_is_a_5xx(
     case: schemathesis.Case[Any], service: tuple[str, str]
 ) -> None:
     url, admin = service
+    positive = case.meta is None or case.meta.generation.mode.is_positive
     wait = case.body.get("wait_seconds") if isinstance(case.body, dict) else None
-    if isinstance(case.body, dict) and isinstance(wait, int | float) and not isinstance(wait, bool):
-        case.body["wait_seconds"] = min(wait, 0.2)  # fuzzed locks stay held: a long wait only waits
+    valid_wait = isinstance(wait, int | float) and not isinstance(wait, bool) and 0.2 < wait <= 60
+    if isinstance(case.body, dict) and valid_wait:
+        case.body["wait_seconds"] = 0.2  # fuzzed locks stay held: a long wait would only wait
     response = case.call_and_validate(
         base_url=url,
-        # The generated key, when there is one, is replaced by a real one; a request made without
-        # one (to see it refused) stays without.
-        headers={"Authorization": f"Bearer {admin}"} if "Authorization" in (case.headers or {}) else None,
+        # A valid request gets a real key for its generated one; a malformed or missing key (a
+        # negative case) is sent as generated, to be refused.
+        headers={"Authorization": f"Bearer {admin}"} if positive else None,
         timeout=10,
-        # Schema-valid but refused (422) is right for what a schema cannot express: a cursor
-        # this service never issued, text with a NUL character (PostgreSQL cannot store it).
-        excluded_checks=[positive_data_acceptance],
+        # Schema-valid but refused (422) is right where the schema cannot say what is valid: a
+        # cursor this service never issued, or text with a NUL character (PostgreSQL cannot store
+        # it, and JSON Schema cannot say so for metadata nested at any depth).
+        excluded_checks=[positive_data_acceptance] if case.operation.path == "/v1/locks" else [],
     )
     if response.status_code >= 400:
         assert response.headers["content-type"] == [MEDIA_TYPE], response.text

@@ -33,7 +33,7 @@ def told_of(grants: list[Grant]) -> list[Told]:
 
 def test_sound_history_passes() -> None:
     grants = sound()
-    assert check(grants, told_of(grants), [Renewed(2, at(500))]) == []
+    assert check(grants, told_of(grants), [Renewed(2, at(500), at(1200))]) == []
 
 
 BROKEN: dict[str, tuple[list[Grant], list[Renewed], str]] = {
@@ -46,7 +46,11 @@ BROKEN: dict[str, tuple[list[Grant], list[Renewed], str]] = {
     ),
     "never released": ([replace(sound()[0], released_at=None, release_reason=None), sound()[1]], [], "never"),
     "early reclaim": ([replace(sound()[1], expires_at=at(5000)), sound()[2]], [], "before its lease expired"),
-    "renewal after end": (sound(), [Renewed(1, at(150))], "after it ended"),
+    "renewal after end": (sound(), [Renewed(1, at(150), at(1150))], "after it ended"),
+    # Renewed at 900 until 1900, but the database kept 1200 (the renewal was lost) and the lock
+    # was reclaimed at 1300: before the lease its holder was promised.
+    "renewal lost": (sound(), [Renewed(2, at(900), at(1900))], "the database kept"),
+    "reclaim before a renewed lease ended": (sound(), [Renewed(2, at(900), at(1900))], "before its lease"),
 }
 
 
@@ -68,7 +72,7 @@ def test_a_grant_the_database_lost_is_caught() -> None:
 def test_a_release_the_database_lost_is_caught() -> None:
     grants = sound()
     assert check(grants, told_of(grants), [], released=[1]) == []
-    for lock_id, reason in ((2, "reclaimed"), (3, "None"), (99, "lost")):
+    for lock_id, reason in ((2, "reclaimed"), (3, "not released"), (99, "lost")):
         violations = check(grants, told_of(grants), [], released=[lock_id])
         assert violations == [
             f"lock {lock_id}: a client was told it was released, the database says {reason}"
