@@ -252,6 +252,9 @@ async def _wait_for(
             locks.remaining_ms,
             release,
             gone,
+            # Registered for as long as this request may wait, and a margin: it is deleted
+            # when the wait ends, and expires in case this process dies first.
+            lambda: locks.announcing(body.organization_id, body.job_type, body.wait_seconds + 60),
         )
     finally:
         watcher.cancel()

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -14,7 +17,7 @@ from psycopg.types.json import Jsonb
 
 from service import queries
 from service.db import Database
-from service.errors import Forbidden, InvalidArgument, LockNotFound
+from service.errors import Forbidden, InvalidArgument, LockError, LockNotFound
 from service.keys import Caller
 
 State = Literal["held", "expired", "released", "reclaimed"]
@@ -155,6 +158,20 @@ class Locks:
         """Milliseconds until an unreleased lock's lease runs out, by the database clock."""
         row = await self.db.fetch_optional(queries.REMAINING, {"lock_id": lock_id})
         return None if row is None else int(row["ttl_remaining_ms"])
+
+    @asynccontextmanager
+    async def announcing(self, organization_id: str, job_type: str, seconds: float) -> AsyncIterator[None]:
+        """While inside, the end of the key's lock is announced (NOTIFY) to every process; the
+        registration expires by itself after `seconds`, should this process die meanwhile."""
+        row = await self.db.fetch_first(
+            queries.WAIT_FOR_RELEASE,
+            {"organization_id": organization_id, "job_type": job_type, "seconds": seconds},
+        )
+        try:
+            yield
+        finally:
+            with contextlib.suppress(LockError):  # the database is away: the row expires
+                await self.db.fetch_all(queries.STOP_WAITING, {"id": row["id"]})
 
     async def release(self, caller: Caller, lock_id: int, token: str) -> Lock:
         params = {"lock_id": lock_id, "token": token, "scope": caller.scope}

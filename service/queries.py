@@ -48,6 +48,11 @@ WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope
 """
 )
 
+# A waiting acquire's registration (migration 0008): releases of the key are announced while it
+# lasts, and only then.
+WAIT_FOR_RELEASE = "SELECT helix_wait_for_release(%(organization_id)s, %(job_type)s, %(seconds)s) AS id"
+STOP_WAITING = "DELETE FROM helix_lock_waiters WHERE id = %(id)s RETURNING id"
+
 # How long until a held lock's lease runs out, by the database clock (a waiter's timer).
 REMAINING = "SELECT ttl_remaining_ms FROM helix_job_lock_views WHERE id = %(lock_id)s AND released_at IS NULL"
 

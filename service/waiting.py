@@ -1,5 +1,8 @@
 """Acquire requests that wait for a held lock: woken by NOTIFY on release, or by a timer at expiry.
 
+Releases are announced only for keys that someone waits for: the head of a key's queue
+registers the key in the database (migration 0008) before it waits.
+
 Nothing polls the database while waiting. Within one process the waiters of a key queue in
 arrival order: only the first of them waits for the lock; the others wait for it (an asyncio
 lock, which is fair). Across replicas the order is best effort: whoever retries first wins.
@@ -10,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import psycopg
@@ -65,11 +69,13 @@ class Waiters:
         remaining_ms: Callable[[int], Awaitable[int | None]],
         release: Callable[[Grant], Awaitable[None]],
         gone: asyncio.Future[None],
+        announced: Callable[[], AbstractAsyncContextManager[None]],
     ) -> Grant:
         """attempt() until it grants, for up to wait_seconds; LockHeld when the time is up.
 
         `gone` is done when the client went away: then a grant that came anyway is released at
-        once, through `release`, and WaitInterrupted is raised.
+        once, through `release`, and WaitInterrupted is raised. Inside `announced()` the end of
+        the key's lock is announced, which releases are not otherwise.
         """
         if self.count >= self.limit:
             raise TooManyWaiters(self.limit)
@@ -82,7 +88,10 @@ class Waiters:
             # If this request is cancelled just as its turn comes, the turn is handed on.
             await self._until(queue.turn.acquire(), deadline, gone, on_abandon=queue.turn.release)
             try:
-                return await self._wait_in_turn(queue, deadline, attempt, remaining_ms, release, gone)
+                async with contextlib.AsyncExitStack() as announcing:
+                    return await self._wait_in_turn(
+                        queue, deadline, attempt, remaining_ms, release, gone, announcing, announced
+                    )
             finally:
                 queue.turn.release()
         except TimeoutError:
@@ -101,8 +110,11 @@ class Waiters:
         remaining_ms: Callable[[int], Awaitable[int | None]],
         release: Callable[[Grant], Awaitable[None]],
         gone: asyncio.Future[None],
+        announcing: contextlib.AsyncExitStack,
+        announced: Callable[[], AbstractAsyncContextManager[None]],
     ) -> Grant:
         loop = asyncio.get_running_loop()
+        registered = False
         while True:
             if gone.done():
                 raise WaitInterrupted("the client went away")
@@ -115,6 +127,12 @@ class Waiters:
                 left = deadline - loop.time()
                 if left <= 0:
                     raise
+                if not registered:
+                    # Releases of this key are announced from now on; one may have come since
+                    # the attempt, so attempt again before waiting.
+                    await announcing.enter_async_context(announced())
+                    registered = True
+                    continue
                 # Until the holder's lease runs out; None: it just ended, so try again now.
                 expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
                 timer = 0.0 if expiry is None else min(left, expiry / 1000 + EXPIRY_SLACK_SECONDS)

@@ -190,3 +190,52 @@ def test_sigterm_answers_waiting_requests_at_once(db_url: str, tmp_path: Path) -
         assert response.status_code == 503
         assert elapsed < 3
         assert server.wait(timeout=10) == 0
+
+
+async def _announcements(listening: psycopg.AsyncConnection[Any], seconds: float) -> list[str]:
+    heard = []
+    async for notify in listening.notifies(timeout=seconds):
+        heard.append(notify.payload)
+    return heard
+
+
+async def test_releases_are_announced_only_while_someone_waits_for_the_key(
+    client: httpx.AsyncClient, db_url: str, conn: Conn
+) -> None:
+    """A NOTIFY serialises committing transactions cluster-wide: releases nobody waits for
+    must not send one."""
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as listening:
+        await listening.execute("LISTEN helix_lock_released")
+        await release(client, await grant(client, "alone"))
+        assert await _announcements(listening, 0.5) == []
+
+        held = await grant(client, "holder")
+        waiter = asyncio.create_task(client.post("/v1/locks", json=body("waiter", wait=10)))
+        for _ in range(100):
+            if conn.execute("SELECT count(*) FROM helix_lock_waiters").fetchone() == (1,):
+                break
+            await asyncio.sleep(0.02)
+        assert not waiter.done()
+        await release(client, held)
+        assert await _announcements(listening, 0.5) == ["acme/report"]
+        granted = await waiter
+        assert granted.status_code == 201
+        assert conn.execute("SELECT count(*) FROM helix_lock_waiters").fetchone() == (0,)
+
+        await release(client, granted.json())
+        assert await _announcements(listening, 0.5) == []
+
+
+async def test_a_release_just_as_a_waiter_registers_is_not_missed(client: httpx.AsyncClient) -> None:
+    """The waiter registers between its first attempt and its wait: releases landing around that
+    moment, at varied offsets, must each wake it at once (the holder's lease is 30 s)."""
+    for round_ in range(30):
+        held = await grant(client, f"holder-{round_}")
+        waiter = asyncio.create_task(client.post("/v1/locks", json=body(f"waiter-{round_}", wait=5)))
+        await asyncio.sleep(round_ * 0.0005)
+        released = time.monotonic()
+        await release(client, held)
+        response = await waiter
+        assert response.status_code == 201, response.text
+        assert time.monotonic() - released < 1, f"round {round_}: the release was missed"
+        await release(client, response.json())
