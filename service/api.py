@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response, Security
+from fastapi import APIRouter, Header, Path, Query, Request, Response, Security
 from fastapi.responses import JSONResponse, PlainTextResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
+from pydantic import BaseModel
 
 from service import logs, migrate, problems
 from service.errors import (
@@ -47,13 +49,37 @@ from service.waiting import Waiters
 BIGINT_MAX = 2**63 - 1
 
 
-# Dependencies are async: FastAPI runs plain `def` ones in a thread pool, a hop per request.
-async def get_locks(request: Request) -> Locks:
-    locks: Locks = request.app.state.locks
-    return locks
+@dataclass(frozen=True)
+class Session:
+    """An authenticated request: who is asking, and this process's lock operations."""
+
+    caller: Caller
+    locks: Locks
 
 
-async def lock_id(lock_id: Annotated[str, Path(description="The id an acquire returned.")]) -> int:
+class ApiKey(HTTPBearer):
+    """Authorization: Bearer <API key>, checked against this process's key ring.
+
+    The one dependency of every lock route, and documented as the HTTPBearer scheme: FastAPI
+    solves each dependency anew on every request, and they are its largest cost per request.
+    """
+
+    async def __call__(self, request: Request) -> Session:  # type: ignore[override]
+        keys: KeyRing = request.app.state.keys
+        caller = await keys.authenticate(request.headers.get("authorization"))
+        logs.bind(key_id=caller.key_id)
+        return Session(caller, request.app.state.locks)
+
+
+api_key = ApiKey(
+    auto_error=False, scheme_name="HTTPBearer", description="An API key: Authorization: Bearer hlk_..."
+)
+Authorized = Annotated[Session, Security(api_key)]
+LockIdPath = Annotated[str, Path(description="The id an acquire returned.")]
+LockToken = Annotated[str, Header(alias="Lock-Token", description="The token the acquire returned.")]
+
+
+def known_lock_id(lock_id: str) -> int:
     """Ids are opaque to clients: anything that is not one of ours is simply not found."""
     if (
         not (lock_id.isascii() and lock_id.isdigit() and len(lock_id) <= 19)
@@ -64,23 +90,9 @@ async def lock_id(lock_id: Annotated[str, Path(description="The id an acquire re
     return int(lock_id)
 
 
-bearer = HTTPBearer(auto_error=False, description="An API key: Authorization: Bearer hlk_...")
-
-
-async def authenticate(
-    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
-) -> Caller:
-    """Who is asking (the key ring reads the header itself; `bearer` documents it in OpenAPI)."""
-    keys: KeyRing = request.app.state.keys
-    caller = await keys.authenticate(request.headers.get("authorization"))
-    logs.bind(key_id=caller.key_id)
-    return caller
-
-
-LocksDep = Annotated[Locks, Depends(get_locks)]
-CallerDep = Annotated[Caller, Depends(authenticate)]
-LockId = Annotated[int, Depends(lock_id)]
-LockToken = Annotated[str, Header(alias="Lock-Token", description="The token the acquire returned.")]
+def json_body(body: BaseModel, status_code: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    """The body serialized once, by pydantic; the route's response_model documents it."""
+    return Response(body.model_dump_json(), status_code, headers, media_type="application/json")
 
 
 # Each problem a route may answer, by kind: when it comes, and an example made by problems.py itself.
@@ -163,6 +175,7 @@ router = APIRouter(prefix="/v1", tags=["locks"])
 @router.post(
     "/locks",
     status_code=201,
+    response_model=GrantBody,
     summary="Acquire a lock",
     response_description="The lock, granted to you; Location names it.",
     responses={
@@ -179,10 +192,8 @@ router = APIRouter(prefix="/v1", tags=["locks"])
 )
 async def acquire(
     body: AcquireRequest,
-    locks: LocksDep,
-    caller: CallerDep,
+    session: Authorized,
     request: Request,
-    response: Response,
     idempotency_key: Annotated[
         str | None,
         Header(
@@ -193,9 +204,10 @@ async def acquire(
             "ASCII characters; scoped to the organization and job type, ending with the lock.",
         ),
     ] = None,
-) -> GrantBody:
+) -> Response:
     """Acquire the lock for (organization_id, job_type), reclaiming it if its lease ran out."""
     logs.bind(organization_id=body.organization_id, job_type=body.job_type, holder=body.holder)
+    locks, caller = session.locks, session.caller
 
     async def attempt() -> Grant:
         return await locks.acquire(
@@ -220,8 +232,7 @@ async def acquire(
     )
     if grant.reclaimed:  # its worker died holding it, or stalled past its lease
         logs.bind(reclaimed_lock_id=grant.reclaimed.lock_id, reclaimed_holder=grant.reclaimed.holder)
-    response.headers["Location"] = f"/v1/locks/{grant.lock.id}"
-    return GrantBody.of_grant(grant)
+    return json_body(GrantBody.of_grant(grant), 201, {"Location": f"/v1/locks/{grant.lock.id}"})
 
 
 async def _wait_for(
@@ -262,13 +273,13 @@ async def _wait_for(
 
 @router.get(
     "/locks",
+    response_model=PageBody,
     summary="List locks",
     response_description="One page of locks.",
     responses=_problems("unauthenticated", "invalid-request", "database-unavailable"),
 )
 async def list_locks(
-    locks: LocksDep,
-    caller: CallerDep,
+    session: Authorized,
     organization_id: Identifier | None = None,
     job_type: Identifier | None = None,
     state: Annotated[
@@ -280,36 +291,41 @@ async def list_locks(
         str | None,
         Query(max_length=2048, description="The next_cursor of the previous page, with the same filters."),
     ] = None,
-) -> PageBody:
+) -> Response:
     """Locks not yet released in key order, or ended locks newest first."""
-    page = await locks.list(
-        caller, organization_id=organization_id, job_type=job_type, state=state, limit=limit, cursor=cursor
+    page = await session.locks.list(
+        session.caller,
+        organization_id=organization_id,
+        job_type=job_type,
+        state=state,
+        limit=limit,
+        cursor=cursor,
     )
-    return PageBody(items=[LockBody.of(lock) for lock in page.items], next_cursor=page.next_cursor)
+    return json_body(PageBody(items=[LockBody.of(lock) for lock in page.items], next_cursor=page.next_cursor))
 
 
 @router.get(
     "/locks/current",
+    response_model=LockBody,
     summary="The lock held now for a key",
     response_description="The held lock; check its fencing_token.",
     responses=_problems("unauthenticated", "lock-not-found", "invalid-request", "database-unavailable"),
 )
-async def current(
-    locks: LocksDep, caller: CallerDep, organization_id: Identifier, job_type: Identifier
-) -> LockBody:
+async def current(session: Authorized, organization_id: Identifier, job_type: Identifier) -> Response:
     """The lock held now for the key (404 when none is, a lapsed lease included)."""
-    return LockBody.of(await locks.current(caller, organization_id, job_type))
+    return json_body(LockBody.of(await session.locks.current(session.caller, organization_id, job_type)))
 
 
 @router.get(
     "/locks/{lock_id}",
+    response_model=LockBody,
     summary="Get one lock",
     response_description="The lock.",
     responses=_problems("unauthenticated", "lock-not-found", "database-unavailable"),
 )
-async def get_lock(locks: LocksDep, caller: CallerDep, lock_id: LockId) -> LockBody:
+async def get_lock(session: Authorized, lock_id: LockIdPath) -> Response:
     """One lock, in any state."""
-    return LockBody.of(await locks.get(caller, lock_id))
+    return json_body(LockBody.of(await session.locks.get(session.caller, known_lock_id(lock_id))))
 
 
 @router.delete(
@@ -328,22 +344,22 @@ async def get_lock(locks: LocksDep, caller: CallerDep, lock_id: LockId) -> LockB
     ),
 )
 async def release(
-    locks: LocksDep,
-    caller: CallerDep,
-    lock_id: LockId,
+    session: Authorized,
+    lock_id: LockIdPath,
     token: Annotated[
         str | None, Header(alias="Lock-Token", description="The token the acquire returned.")
     ] = None,
     force: Annotated[bool, Query(description="Break the lock without its token (admin keys).")] = False,
 ) -> Response:
     """Release a lock you hold; 410 tells you it had already ended."""
+    locks, caller, id_ = session.locks, session.caller, known_lock_id(lock_id)
     if force:
-        lock = await locks.force_release(caller, lock_id)
+        lock = await locks.force_release(caller, id_)
     elif token is None:
         raise InvalidArgument("Lock-Token", "Field required")
     else:
-        async with _naming_the_lock(locks, caller, lock_id):
-            lock = await locks.release(caller, lock_id, token)
+        async with _naming_the_lock(session, id_):
+            lock = await locks.release(caller, id_, token)
     logs.bind(
         organization_id=lock.organization_id,
         job_type=lock.job_type,
@@ -354,6 +370,7 @@ async def release(
 
 @router.post(
     "/locks/{lock_id}/renew",
+    response_model=RenewalBody,
     summary="Renew a lease (heartbeat)",
     response_description="The lock with its new expires_at; lapsed says whether the lease had run out.",
     responses=_problems(
@@ -365,30 +382,29 @@ async def release(
         "database-unavailable",
     ),
 )
-async def renew(
-    locks: LocksDep, caller: CallerDep, lock_id: LockId, token: LockToken, body: RenewRequest
-) -> RenewalBody:
+async def renew(session: Authorized, lock_id: LockIdPath, token: LockToken, body: RenewRequest) -> Response:
     """Extend the lease to database-now + ttl_seconds; works on a lapsed lease nobody reclaimed."""
-    async with _naming_the_lock(locks, caller, lock_id):
-        renewal = await locks.renew(caller, lock_id, token, ttl_ms(body.ttl_seconds))
+    id_ = known_lock_id(lock_id)
+    async with _naming_the_lock(session, id_):
+        renewal = await session.locks.renew(session.caller, id_, token, ttl_ms(body.ttl_seconds))
     logs.bind(
         organization_id=renewal.lock.organization_id,
         job_type=renewal.lock.job_type,
         outcome="renewed",
         lapsed=renewal.lapsed,
     )
-    return RenewalBody.of_renewal(renewal)
+    return json_body(RenewalBody.of_renewal(renewal))
 
 
 @asynccontextmanager
-async def _naming_the_lock(locks: Locks, caller: Caller, lock_id: int) -> AsyncIterator[None]:
+async def _naming_the_lock(session: Session, lock_id: int) -> AsyncIterator[None]:
     """A holder told its lock ended (410) or given the wrong token (403): its log line and the
     lost-lock metric name the organization and job type too. One more query, on those answers only."""
     try:
         yield
     except (LockEnded, TokenMismatch):
         with contextlib.suppress(LockError):
-            lock = await locks.get(caller, lock_id)
+            lock = await session.locks.get(session.caller, lock_id)
             logs.bind(organization_id=lock.organization_id, job_type=lock.job_type)
         raise
 
@@ -403,9 +419,9 @@ async def healthz() -> dict[str, Literal["ok"]]:
 
 
 @health.get("/readyz", summary="Readiness", responses=_problems("database-unavailable", "not-migrated"))
-async def readyz(locks: LocksDep) -> dict[str, Literal["ready"]]:
+async def readyz(request: Request) -> dict[str, Literal["ready"]]:
     """The database answers and every migration of this build is applied."""
-    await migrate.check_ready(locks.db)
+    await migrate.check_ready(request.app.state.locks.db)
     return {"status": "ready"}
 
 
