@@ -12,6 +12,8 @@ One cycle takes a lock and gives it back, each client on a key of its own, so no
   go on this database.
 The sides take turns within each run; the median run is reported, with the ratios Helix/etcd and
 Helix/pgbench. Then 32 clients fight over one key (the hot key): the 409 answers beside the grants.
+Last, where Debian's wrk is installed, wrk drives the same helix and etcd cycles once per level
+(bench/wrk/*.lua, a thread per connection) as a cross-check of the Python load generator.
 
 The database is a throwaway one: `helix_bench_<random>` on DATABASE_URL's server when that is set,
 else an embedded PostgreSQL in a temporary directory. It is seeded (released history and live
@@ -789,6 +791,81 @@ def run_pgbench(url: str, clients: int, warmup: int, duration: int, workdir: Pat
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# wrk: the same HTTP cycles from Debian's C load generator, as a cross-check of our own client
+
+WRK_SCRIPTS = Path(__file__).resolve().parent / "wrk"
+
+
+@dataclass
+class WrkResult:
+    """One wrk run: cycles/s, and latency per request (wrk times requests, not cycles)."""
+
+    cycles_per_second: float
+    p50_ms: float
+    p99_ms: float
+    failures: int
+    load_cpu: float
+    busy_cpu: float
+
+
+def wrk_args(side: str, key: str | None, clients: int, phase: str) -> list[str]:
+    """The script's arguments: helix's API key and key prefix, or etcd's keys (base64), one per
+    thread. Fresh keys for each phase: a cycle cut off at the end leaves its key taken."""
+    names = [f"wrk-{phase}-{clients}-{n}" for n in range(clients)]
+    if side == "helix":
+        return [key or "", f"wrk-{phase}-{clients}"]
+    return [base64.b64encode(f"helix-bench/{name}".encode()).decode() for name in names]
+
+
+def run_wrk(url: str, side: str, key: str | None, clients: int, warmup: int, duration: int) -> WrkResult:
+    """`wrk -t N -c N`: a thread per connection, so that each runs whole cycles on its own key."""
+    command = ["wrk", "-t", str(clients), "-c", str(clients), "-s", str(WRK_SCRIPTS / f"{side}.lua")]
+    if warmup > 0:
+        wrk([*command, "-d", f"{warmup}s", url, "--", *wrk_args(side, key, clients, "warm-up")])
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = busy_cpu_ticks()
+    output = wrk([*command, "-d", f"{duration}s", url, "--", *wrk_args(side, key, clients, "measured")])
+    after = busy_cpu_ticks()
+    children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    line = next((line for line in output.splitlines() if line.startswith("RESULT ")), None)
+    if line is None:
+        raise BenchError(f"no RESULT line in wrk's output:\n{output}")
+    result = json.loads(line.removeprefix("RESULT "))
+    cpu = (children_after.ru_utime - children_before.ru_utime) + (
+        children_after.ru_stime - children_before.ru_stime
+    )
+    return WrkResult(
+        cycles_per_second=result["cycles"] / result["seconds"],
+        p50_ms=result["p50_ms"],
+        p99_ms=result["p99_ms"],
+        failures=result["failures"],
+        load_cpu=cpu / duration,
+        busy_cpu=busy_cores(before, after),
+    )
+
+
+def wrk(command: list[str]) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise BenchError(f"wrk exited with {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
+
+
+def wrk_table(levels: list[int], helix: list[WrkResult], etcd: list[WrkResult]) -> str:
+    header = (
+        f"{'clients':>7} | {'helix cycles/s':>14} {'request p50':>11} {'p99 ms':>7} {'wrk cores':>9}"
+        f" | {'etcd cycles/s':>13} {'request p50':>11} {'p99 ms':>7} {'wrk cores':>9} | {'helix/etcd':>10}"
+    )
+    lines = [header, "-" * len(header)]
+    for clients, h, e in zip(levels, helix, etcd, strict=True):
+        helix_side = f"{h.cycles_per_second:>14,.0f} {h.p50_ms:>11.2f} {h.p99_ms:>7.2f} {h.load_cpu:>9.2f}"
+        etcd_side = f"{e.cycles_per_second:>13,.0f} {e.p50_ms:>11.2f} {e.p99_ms:>7.2f} {e.load_cpu:>9.2f}"
+        ratio = h.cycles_per_second / e.cycles_per_second
+        lines.append(f"{clients:>7} | {helix_side} | {etcd_side} | {ratio:>10.2f}")
+    return "\n".join(lines)
+
+
 def pgbench(command: list[str]) -> str:
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -890,6 +967,7 @@ def report(
     runs: dict[str, list[list[Result]]],
     hot: Result,
     rss: list[float],
+    checked: dict[str, list[WrkResult]],
 ) -> str:
     helix, etcd, pg = ([median(level) for level in runs[side]] for side in SIDES)
     lines = [
@@ -924,7 +1002,16 @@ def report(
         f" 409 p50 / 201 p50 = {conflict_p50 / hot.acquire_p50_ms:.2f}",
         "service worker RSS after the runs: " + ", ".join(f"{mb:.1f} MB" for mb in rss),
     ]
+    if checked["helix"]:
+        lines += [
+            "",
+            "cross-check: the same cycles from wrk (-t N -c N, one run; wrk times requests, not cycles):",
+            wrk_table(args.levels, checked["helix"], checked["etcd"]),
+        ]
+    else:
+        lines += ["", "cross-check with wrk skipped: wrk is not installed (apt-get install wrk)"]
     failures = {side: sum(r.failures for level in levels for r in level) for side, levels in runs.items()}
+    failures |= {f"{side} (wrk)": sum(r.failures for r in results) for side, results in checked.items()}
     lines += [
         "",
         "failed cycles (unexpected answer or none): " + ", ".join(f"{k} {v}" for k, v in failures.items()),
@@ -1013,6 +1100,16 @@ def main(argv: list[str] | None = None) -> int:
                 base_url, "hot", key, max(args.levels), args.processes, args.warmup, args.duration, args.httpx
             )
             rss = [rss_mb(pid) for pid in worker_pids(process.pid)]
+            checked: dict[str, list[WrkResult]] = {"helix": [], "etcd": []}
+            if shutil.which("wrk"):
+                for clients in args.levels:
+                    log(f"wrk cross-check, {clients} client(s): each side {timing} ...")
+                    checked["helix"].append(
+                        run_wrk(base_url, "helix", key, clients, args.warmup, args.duration)
+                    )
+                    checked["etcd"].append(
+                        run_wrk(etcd_url, "etcd", None, clients, args.warmup, args.duration)
+                    )
     except KeyboardInterrupt:
         log("interrupted; everything it started is stopped and removed")
         return 130
@@ -1022,8 +1119,9 @@ def main(argv: list[str] | None = None) -> int:
     except psycopg.Error as exc:
         log(f"database error: {exc}")
         return 1
-    print(report(args, setup, runs, hot, rss))
+    print(report(args, setup, runs, hot, rss, checked))
     failures = sum(result.failures for levels in runs.values() for level in levels for result in level)
+    failures += sum(result.failures for results in checked.values() for result in results)
     return 0 if failures == 0 else 1
 
 
