@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 
-from service.errors import LockHeld, TooManyWaiters, WaitInterrupted
+from service.errors import DatabaseUnavailable, LockHeld, TooManyWaiters, WaitInterrupted
 from service.locks import Grant
 
 Key = tuple[str, str]
@@ -129,10 +129,12 @@ class Waiters:
                     raise
                 if not registered:
                     # Releases of this key are announced from now on; one may have come since
-                    # the attempt, so attempt again before waiting.
-                    await announcing.enter_async_context(announced())
-                    registered = True
-                    continue
+                    # the attempt, so attempt again before waiting. If the registration fails,
+                    # wait for the holder's expiry this round, and try again on the next.
+                    with contextlib.suppress(DatabaseUnavailable):
+                        await announcing.enter_async_context(announced())
+                        registered = True
+                        continue
                 # Until the holder's lease runs out; None: it just ended, so try again now.
                 expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
                 timer = 0.0 if expiry is None else min(left, expiry / 1000 + EXPIRY_SLACK_SECONDS)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import time
+import weakref
 from datetime import datetime
 from typing import Any
 
@@ -510,3 +512,16 @@ async def test_an_idempotency_key_replays_only_to_the_same_holder(client: httpx.
     intruder = await client.post("/v1/locks", json=lock_body(holder="worker-B"), headers=key)
     assert_problem(intruder, 409)
     assert first.json()["token"] not in intruder.text
+
+
+async def test_an_app_that_stopped_can_be_collected(db_url: str) -> None:
+    """Startup freezes the heap for the garbage collector; the end of the lifespan thaws it, or
+    every app that a process ran one after another would live on."""
+    app = create_app(Settings(database_url=db_url, allow_anonymous=True))
+    async with app.router.lifespan_context(app):
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    gone = weakref.ref(app)
+    del app
+    gc.collect()
+    assert gone() is None

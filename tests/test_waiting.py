@@ -6,16 +6,21 @@ import asyncio
 import json
 import socket
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import psycopg
 import pytest
 
 from service.app import create_app
+from service.errors import DatabaseUnavailable, LockHeld
+from service.locks import Grant
 from service.settings import Settings
+from service.waiting import Waiters
 from tests.support import running_service
 
 pytestmark = pytest.mark.anyio
@@ -239,3 +244,52 @@ async def test_a_release_just_as_a_waiter_registers_is_not_missed(client: httpx.
         assert response.status_code == 201, response.text
         assert time.monotonic() - released < 1, f"round {round_}: the release was missed"
         await release(client, response.json())
+
+
+async def test_a_lapsed_registration_announces_nothing(
+    client: httpx.AsyncClient, db_url: str, conn: Conn
+) -> None:
+    """A registration whose delete never ran (its process died) stops counting at `until`, and
+    the next registration deletes it."""
+    conn.execute(
+        "INSERT INTO helix_lock_waiters (organization_id, job_type, until)"
+        " VALUES ('acme', 'report', clock_timestamp() - interval '1 second')"
+    )
+    async with await psycopg.AsyncConnection.connect(db_url, autocommit=True) as listening:
+        await listening.execute("LISTEN helix_lock_released")
+        await release(client, await grant(client, "alone"))
+        assert await _announcements(listening, 0.5) == []
+    conn.execute("SELECT helix_wait_for_release('acme', 'other', 10)")
+    rows = conn.execute("SELECT job_type FROM helix_lock_waiters").fetchall()
+    assert rows == [("other",)]
+
+
+async def test_a_registration_that_fails_leaves_the_waiter_on_its_timer() -> None:
+    """The database refusing the registration is no reason to give up the wait: the waiter wakes
+    at the holder's expiry instead (no database here at all: every call is a stand-in)."""
+    granted = cast(Grant, object())
+    attempts: list[float] = []
+
+    async def attempt() -> Grant:
+        attempts.append(time.monotonic())
+        if len(attempts) < 3:
+            raise LockHeld(7, "holder", None, 1)
+        return granted
+
+    async def remaining_ms(lock_id: int) -> int:
+        return 200
+
+    async def release(grant: Grant) -> None:
+        raise AssertionError("nothing to release")
+
+    @asynccontextmanager
+    async def announced() -> AsyncIterator[None]:
+        raise DatabaseUnavailable("connection refused")
+        yield
+
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    waiters = Waiters(10)
+    result = await waiters.acquire(("acme", "report"), 5, attempt, remaining_ms, release, gone, announced)
+    assert result is granted
+    assert len(attempts) == 3
+    assert attempts[1] - attempts[0] >= 0.19, "waited for the holder's expiry, not retried at once"
