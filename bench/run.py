@@ -13,7 +13,7 @@ One cycle takes a lock and gives it back, each client on a key of its own, so no
 The sides take turns within each run; the median run is reported, with the ratios Helix/etcd and
 Helix/pgbench. Then 32 clients fight over one key (the hot key): the 409 answers beside the grants.
 Last, where Debian's wrk is installed, wrk drives the same helix and etcd cycles once per level
-(bench/wrk/*.lua, a thread per connection) as a cross-check of the Python load generator.
+(bench/wrk/cycles.lua, a thread per connection) as a cross-check of the Python load generator.
 
 The database is a throwaway one: `helix_bench_<random>` on DATABASE_URL's server when that is set,
 else an embedded PostgreSQL in a temporary directory. It is seeded (released history and live
@@ -794,7 +794,7 @@ def run_pgbench(url: str, clients: int, warmup: int, duration: int, workdir: Pat
 # ---------------------------------------------------------------------------------------------
 # wrk: the same HTTP cycles from Debian's C load generator, as a cross-check of our own client
 
-WRK_SCRIPTS = Path(__file__).resolve().parent / "wrk"
+WRK_SCRIPT = Path(__file__).resolve().parent / "wrk" / "cycles.lua"
 
 
 @dataclass
@@ -810,17 +810,17 @@ class WrkResult:
 
 
 def wrk_args(side: str, key: str | None, clients: int, phase: str) -> list[str]:
-    """The script's arguments: helix's API key and key prefix, or etcd's keys (base64), one per
-    thread. Fresh keys for each phase: a cycle cut off at the end leaves its key taken."""
-    names = [f"wrk-{phase}-{clients}-{n}" for n in range(clients)]
+    """The script's arguments: the side, then helix's API key and key prefix, or etcd's keys
+    (base64), one per thread. Fresh keys for each phase: a cycle cut off leaves its key taken."""
     if side == "helix":
-        return [key or "", f"wrk-{phase}-{clients}"]
-    return [base64.b64encode(f"helix-bench/{name}".encode()).decode() for name in names]
+        return [side, key or "", f"wrk-{phase}-{clients}"]
+    names = [f"wrk-{phase}-{clients}-{n}" for n in range(clients)]
+    return [side, *(base64.b64encode(f"helix-bench/{name}".encode()).decode() for name in names)]
 
 
 def run_wrk(url: str, side: str, key: str | None, clients: int, warmup: int, duration: int) -> WrkResult:
     """`wrk -t N -c N`: a thread per connection, so that each runs whole cycles on its own key."""
-    command = ["wrk", "-t", str(clients), "-c", str(clients), "-s", str(WRK_SCRIPTS / f"{side}.lua")]
+    command = ["wrk", "-t", str(clients), "-c", str(clients), "-s", str(WRK_SCRIPT)]
     if warmup > 0:
         wrk([*command, "-d", f"{warmup}s", url, "--", *wrk_args(side, key, clients, "warm-up")])
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
