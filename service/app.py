@@ -196,13 +196,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # replacing one that crashed, say) serves 503 until it is back, rather than failing to
         # start, which makes uvicorn stop every worker.
         await pool.open(wait=False)
-        db = Database(pool, settings.query_deadline_seconds)
+        db = Database(pool, settings)
         app.state.locks = Locks(db)
         app.state.keys = keys = KeyRing(db, settings.allow_anonymous)
         app.state.waiters = waiters = Waiters(settings.max_waiters)
+
+        async def probe(payload: str) -> None:
+            await db.fetch_all(queries.PROBE, {"payload": payload})
+
+        # LISTEN needs a session of its own: the direct URL, when database_url is a pooler's.
         keys.listener = listener = Listener(
-            settings.database_url,
+            settings.session_database_url,
             {queries.KEYS_CHANNEL: keys.reload, queries.RELEASED_CHANNEL: waiters.released},
+            probe,
+            settings.statement_timeout_ms,
         )
         await listener.start()
         await keys.start()

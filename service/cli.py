@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import json
 import logging
@@ -21,7 +22,7 @@ from types import FrameType
 import psycopg
 from pydantic import ValidationError
 
-from service import embedded, keys, logs, migrate, runner, telemetry
+from service import embedded, keys, listener, logs, migrate, runner, telemetry
 from service.client import ApiError, HelixError, LockClient, LockHeld, LockLost
 from service.schemas import IDENTIFIER_PATTERN
 from service.settings import Settings
@@ -48,9 +49,15 @@ def serve(args: argparse.Namespace) -> int:
 
     loopback = is_loopback(args.host)
     with embedded.database_url(args.data_dir) as url:
-        applied = migrate.migrate(url)
+        direct = embedded.session_url(url)
+        applied = migrate.migrate(direct)
         logger.info("migrations applied: %s", ", ".join(applied) or "none pending")
-        if not loopback and not keys.any_keys(url):
+        try:
+            asyncio.run(listener.check_notifications(direct, url))
+        except listener.NotHeard as exc:
+            print(f"helix-locks: refusing to start: {exc}.", file=sys.stderr)
+            return 2
+        if not loopback and not keys.any_keys(direct):
             if not args.insecure:
                 print(
                     f"helix-locks: refusing to listen on {args.host}: no API key exists yet, so anyone "
@@ -100,7 +107,7 @@ def _metrics_directory(workers: int) -> Iterator[None]:
 
 def run_migrate(args: argparse.Namespace) -> int:
     with embedded.database_url(args.data_dir) as url:
-        applied = migrate.migrate(url)
+        applied = migrate.migrate(embedded.session_url(url))
     print("\n".join(applied) if applied else "no migrations pending")
     return 0
 
@@ -109,7 +116,8 @@ def keys_create(args: argparse.Namespace) -> int:
     if args.org is not None and not re.match(IDENTIFIER_PATTERN, args.org):
         print(f"helix-locks: not an organization id: {args.org!r}", file=sys.stderr)
         return 2
-    with embedded.database_url(args.data_dir) as url:
+    with embedded.database_url(args.data_dir) as database_url:
+        url = embedded.session_url(database_url)
         migrate.migrate(url)
         key = keys.create(url, args.org)
     print(key)  # alone on standard output, shown this once
@@ -117,7 +125,8 @@ def keys_create(args: argparse.Namespace) -> int:
 
 
 def keys_list(args: argparse.Namespace) -> int:
-    with embedded.database_url(args.data_dir) as url:
+    with embedded.database_url(args.data_dir) as database_url:
+        url = embedded.session_url(database_url)
         migrate.migrate(url)
         found = keys.listing(url)
     rows: list[tuple[str, ...]] = [("ID", "SCOPE", "CREATED", "LAST USED", "REVOKED")]
@@ -135,7 +144,8 @@ def _when(moment: datetime | None) -> str:
 
 
 def keys_revoke(args: argparse.Namespace) -> int:
-    with embedded.database_url(args.data_dir) as url:
+    with embedded.database_url(args.data_dir) as database_url:
+        url = embedded.session_url(database_url)
         migrate.migrate(url)
         found = keys.revoke(url, args.key_id)
     if not found:

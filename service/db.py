@@ -13,6 +13,7 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 
+from service import queries
 from service.errors import (
     DatabaseUnavailable,
     EmptyResult,
@@ -117,15 +118,24 @@ CONNECTION_KWARGS: dict[str, Any] = {
 RECONNECT_GIVE_UP_SECONDS = 5.0
 
 
+async def configure_session(conn: psycopg.AsyncConnection[Any], statement_timeout_ms: int) -> None:
+    """Apply what the lock functions rely on to a direct connection (queries.CONFIGURE_SESSION)."""
+    await conn.execute(queries.CONFIGURE_SESSION, {"statement_timeout_ms": str(statement_timeout_ms)})
+
+
 def create_pool(settings: Settings) -> Pool:
-    """A closed pool; the app's lifespan opens it."""
+    """A closed pool; the app's lifespan opens it.
+
+    Direct (no direct_database_url): statements are prepared, and the session is configured once
+    per connection. Through a transaction pooler: nothing is prepared and nothing is configured
+    for the session, since the next transaction may run on another server connection;
+    Database sends the settings with every statement instead.
+    """
 
     async def configure(conn: psycopg.AsyncConnection[DictRow]) -> None:
-        await conn.execute(
-            "SELECT set_config('TimeZone', 'UTC', false), set_config('statement_timeout', %(ms)s, false)",
-            {"ms": str(settings.statement_timeout_ms)},
-        )
+        await configure_session(conn, settings.statement_timeout_ms)
 
+    pooled: dict[str, Any] = {"prepare_threshold": None, "cursor_factory": psycopg.AsyncClientCursor}
     return Pool(
         settings.database_url,
         min_size=settings.pool_min_size,
@@ -138,12 +148,12 @@ def create_pool(settings: Settings) -> Pool:
         # Give up on an attempt after a few seconds instead: the next request that finds the
         # pool empty starts a fresh one at once.
         reconnect_timeout=RECONNECT_GIVE_UP_SECONDS,
-        configure=configure,
+        configure=None if settings.through_pooler else configure,
         kwargs={
             **CONNECTION_KWARGS,
             "row_factory": dict_row,
             # Prepare every statement on first use: one round trip per request after that.
-            "prepare_threshold": 0,
+            **(pooled if settings.through_pooler else {"prepare_threshold": 0}),
         },
     )
 
@@ -151,14 +161,26 @@ def create_pool(settings: Settings) -> Pool:
 class Database:
     """Runs one statement on a pooled connection, with errors translated and a deadline."""
 
-    def __init__(self, pool: Pool, deadline_seconds: float) -> None:
+    def __init__(self, pool: Pool, settings: Settings) -> None:
         self.pool = pool
-        self.deadline_seconds = deadline_seconds
+        self.deadline_seconds = settings.query_deadline_seconds
+        self.through_pooler = settings.through_pooler
+        self._statement_timeout_ms = str(settings.statement_timeout_ms)
         self._statements: set[asyncio.Future[list[DictRow]]] = set()
 
     async def _fetch_all(self, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:
         async with translated(), self.pool.connection() as conn:
-            cursor = await conn.execute(query, params)
+            if not self.through_pooler:
+                cursor = await conn.execute(query, params)
+                return await cursor.fetchall()
+            # One simple query: the transaction's settings, then the statement (its rows last).
+            prefix = (
+                queries.IN_TRANSACTION_17 if conn.info.server_version >= 170000 else queries.IN_TRANSACTION
+            )
+            params = {**params, "helix_statement_timeout_ms": self._statement_timeout_ms}
+            cursor = await conn.execute(prefix + query, params)
+            while cursor.nextset():
+                pass
             return await cursor.fetchall()
 
     async def fetch_all(self, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:

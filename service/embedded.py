@@ -10,6 +10,15 @@ from pathlib import Path
 
 import platformdirs
 
+# A direct, session-capable connection, when DATABASE_URL goes through a transaction pooler.
+DIRECT_DATABASE_URL = "HELIX_LOCKS_DIRECT_DATABASE_URL"
+
+
+def session_url(database_url: str) -> str:
+    """Where what needs a session goes (migrations, LISTEN, the keys commands): the direct URL
+    when one is set, else the database URL itself."""
+    return os.environ.get(DIRECT_DATABASE_URL) or database_url
+
 
 def default_data_dir() -> Path:
     return platformdirs.user_data_path("helix-locks")

@@ -9,7 +9,7 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from psycopg.rows import DictRow
@@ -43,7 +43,13 @@ class Lock:
 
     @classmethod
     def from_row(cls, row: DictRow) -> Lock:
-        return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+        return cls(**{name: utc(row[name]) for name in cls.__dataclass_fields__})
+
+
+def utc(value: Any) -> Any:
+    """A time in UTC, whatever the connection's TimeZone (a transaction pooler may hand us a
+    session whose TimeZone is not ours); anything else as it is."""
+    return value.astimezone(UTC) if isinstance(value, datetime) else value
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,7 @@ class Locks:
         reclaimed = None
         if row["reclaimed_lock_id"] is not None:
             reclaimed = Reclaimed(
-                row["reclaimed_lock_id"], row["reclaimed_holder"], row["reclaimed_expired_at"]
+                row["reclaimed_lock_id"], row["reclaimed_holder"], utc(row["reclaimed_expired_at"])
             )
         return Grant(Lock.from_row(row), row["token"], reclaimed)
 

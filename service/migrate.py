@@ -7,6 +7,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -63,9 +64,20 @@ def _check(migration: Migration, applied: dict[str, str]) -> bool:
 
 
 def migrate(conninfo: str) -> list[str]:
-    """Apply what is pending; returns the names applied. Safe to run from many processes at once."""
+    """Apply what is pending; returns the names applied. Safe to run from many processes at once.
+
+    A database that is current is only read, so a role without the right to create anything
+    (the one that serves, say) may call this; one that is not current needs the schema's owner,
+    and MigrationError says so.
+    """
     done: list[str] = []
     with psycopg.connect(conninfo, autocommit=True, client_encoding="utf8") as conn:
+        # No statement_timeout: a migration of a large table may take long.
+        conn.execute(queries.CONFIGURE_SESSION, {"statement_timeout_ms": "0"})
+        pending = _pending(conn)
+        if not pending:
+            return done
+        _pin_schema(conn, pending)
         conn.execute(queries.MIGRATION_LOCK, {"key": ADVISORY_LOCK_KEY})
         try:
             conn.execute(queries.CREATE_MIGRATIONS_TABLE)
@@ -81,10 +93,43 @@ def migrate(conninfo: str) -> list[str]:
                         {"name": migration.name, "checksum": migration.checksum},
                     )
                 done.append(migration.name)
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise MigrationError(f"{_who(conn)} may not apply the migrations: {exc}") from exc
         finally:
             if not conn.broken:  # a lost connection has dropped the lock with it
                 conn.execute(queries.MIGRATION_UNLOCK, {"key": ADVISORY_LOCK_KEY})
     return done
+
+
+def _pending(conn: psycopg.Connection[Any]) -> list[str]:
+    """This build's migrations that the database lacks; MigrationError if one was changed."""
+    applied: dict[str, str] = {}
+    if conn.execute(queries.MIGRATIONS_TABLE_EXISTS).fetchone() == (True,):
+        applied = {name: checksum for name, checksum in conn.execute(queries.APPLIED_MIGRATIONS)}
+    return [m.name for m in load() if not _check(m, applied)]
+
+
+def _who(conn: psycopg.Connection[Any]) -> str:
+    return f"role {conn.info.user!r}"
+
+
+def _pin_schema(conn: psycopg.Connection[Any], pending: list[str]) -> None:
+    """Migrate into the first schema of the role's search_path, and nowhere else: the functions
+    keep this search_path (migration 0009), so that a caller's cannot change what they use."""
+    row = conn.execute(queries.MIGRATION_SCHEMA).fetchone()
+    assert row is not None
+    schema, can_create = row
+    if schema is None:
+        raise MigrationError(
+            f"no schema to migrate into: none of the schemas on the search_path of {_who(conn)} "
+            "exists (create one, or ALTER ROLE ... SET search_path)"
+        )
+    if not can_create:
+        raise MigrationError(
+            f"the database lacks migrations {', '.join(pending)}, and {_who(conn)} may not create "
+            f"objects in schema {schema!r}: run `helix-locks migrate` as the schema's owner"
+        )
+    conn.execute(queries.PIN_SEARCH_PATH, {"schema": schema})
 
 
 async def check_ready(db: Database) -> None:

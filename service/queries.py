@@ -8,13 +8,46 @@ later migration adds a column ("cached plan must not change result type").
 
 from psycopg import sql
 
-# Per connection, once: times in UTC; READ COMMITTED whatever the server's default, since the
-# lock functions rely on a waiting FOR UPDATE seeing the row as its holder committed it (under
-# REPEATABLE READ it would fail instead); and no statement long enough to look like a hang.
+# What the lock functions rely on, whatever the server, database or role sets by default:
+# - READ COMMITTED: a FOR UPDATE that waited sees the row as its holder committed it, and the
+#   wake-up argument of migration 0008 needs each statement's fresh snapshot (REPEATABLE READ
+#   and SERIALIZABLE answer a contended acquire with a serialization failure instead);
+# - the service's own statement_timeout, and no lock_timeout, idle_in_transaction_session_timeout,
+#   idle_session_timeout or transaction_timeout: waiting on a key's row lock is how contention
+#   is ordered, and the statement deadline alone bounds it;
+# - times in UTC (the JSON our functions put in DETAIL).
+# Per connection, once, on a direct connection; only the settings this server knows.
 CONFIGURE_SESSION = """
-SELECT set_config('TimeZone', 'UTC', false),
-       set_config('default_transaction_isolation', 'read committed', false),
-       set_config('statement_timeout', %(statement_timeout_ms)s, false)
+SELECT set_config(wanted.name, wanted.value, false)
+FROM (VALUES
+    ('TimeZone', 'UTC'),
+    ('default_transaction_isolation', 'read committed'),
+    ('statement_timeout', %(statement_timeout_ms)s),
+    ('lock_timeout', '0'),
+    ('idle_in_transaction_session_timeout', '0'),
+    ('idle_session_timeout', '0'),
+    ('transaction_timeout', '0')
+) AS wanted (name, value)
+WHERE wanted.name IN (SELECT s.name FROM pg_catalog.pg_settings AS s)
+"""
+
+# Through a transaction pooler, where session settings do not last: the same settings for one
+# transaction, sent before each statement in the same simple query (one round trip; a statement
+# that fails rolls the whole transaction back, so nothing is left to clean up). SET TRANSACTION
+# must come first, before anything takes a snapshot.
+IN_TRANSACTION = """SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
+SELECT set_config('TimeZone', 'UTC', true),
+       set_config('statement_timeout', %(helix_statement_timeout_ms)s, true),
+       set_config('lock_timeout', '0', true),
+       set_config('idle_in_transaction_session_timeout', '0', true);
+"""
+# transaction_timeout exists from PostgreSQL 17 on.
+IN_TRANSACTION_17 = """SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
+SELECT set_config('TimeZone', 'UTC', true),
+       set_config('statement_timeout', %(helix_statement_timeout_ms)s, true),
+       set_config('lock_timeout', '0', true),
+       set_config('idle_in_transaction_session_timeout', '0', true),
+       set_config('transaction_timeout', '0', true);
 """
 
 LOCK = """
@@ -51,7 +84,7 @@ WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope
 # A waiting acquire's registration (migration 0008): releases of the key are announced while it
 # lasts, and only then.
 WAIT_FOR_RELEASE = "SELECT helix_wait_for_release(%(organization_id)s, %(job_type)s, %(seconds)s) AS id"
-STOP_WAITING = "DELETE FROM helix_lock_waiters WHERE id = %(id)s RETURNING id"
+STOP_WAITING = "SELECT helix_stop_waiting(%(id)s) AS id"
 
 # How long until a held lock's lease runs out, by the database clock (a waiter's timer).
 REMAINING = "SELECT ttl_remaining_ms FROM helix_job_lock_views WHERE id = %(lock_id)s AND released_at IS NULL"
@@ -120,11 +153,15 @@ UPDATE helix_api_keys SET revoked_at = coalesce(revoked_at, clock_timestamp()) W
 """
 KEYS_EXIST = "SELECT EXISTS (SELECT 1 FROM helix_api_keys) AS exists"
 # Last use is recorded in batches, to the nearest few seconds, not as a write per request.
-TOUCH_KEYS = "UPDATE helix_api_keys SET last_used_at = clock_timestamp() WHERE id = ANY(%(ids)s) RETURNING id"
+TOUCH_KEYS = "SELECT helix_touch_api_keys(%(ids)s) AS touched"
 
 # Notifications (service/listener.py); the channel is an identifier, composed safely.
 LISTEN = sql.SQL("LISTEN {}")
 PING = "SELECT 1"
+# The listener's self-test: a notification sent the way the lock functions send theirs (through
+# database_url) must reach the listening connection, which a transaction pooler would not do.
+PROBE_CHANNEL = "helix_listener_probe"
+PROBE = "SELECT pg_notify('helix_listener_probe', %(payload)s) AS sent"
 
 # History retention (service/retention.py): one batch of ended rows older than the window.
 PRUNE = "SELECT helix_prune_history(%(older_than)s, %(batch)s) AS deleted"
@@ -146,6 +183,9 @@ CREATE TABLE IF NOT EXISTS helix_schema_migrations (
     applied_at timestamptz NOT NULL DEFAULT clock_timestamp()
 )
 """
+# The schema migrations go into: the first schema on the role's search_path that exists.
+MIGRATION_SCHEMA = "SELECT current_schema(), has_schema_privilege(current_schema(), 'CREATE')"
+PIN_SEARCH_PATH = "SELECT set_config('search_path', quote_ident(%(schema)s) || ', pg_temp', false)"
 MIGRATIONS_TABLE_EXISTS = "SELECT to_regclass('helix_schema_migrations') IS NOT NULL AS exists"
 APPLIED_MIGRATIONS = "SELECT name, checksum FROM helix_schema_migrations"
 RECORD_MIGRATION = """

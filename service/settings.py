@@ -16,6 +16,11 @@ class Settings(BaseSettings):
     )
 
     database_url: str = Field(validation_alias=AliasChoices("DATABASE_URL", "HELIX_LOCKS_DATABASE_URL"))
+    # A direct, session-capable connection (in the manner of Prisma's directUrl) for what needs a
+    # session: LISTEN and migrations. Setting it says that database_url goes through a transaction
+    # pooler (PgBouncer's pool_mode = transaction, say): no prepared statements, and every
+    # statement runs in a transaction of its own that sets what the lock functions rely on.
+    direct_database_url: str | None = None
     pool_min_size: int = Field(default=2, ge=1)
     pool_max_size: int = Field(default=10, ge=1)
     # How long a request waits for a pooled connection before it answers 503.
@@ -35,6 +40,16 @@ class Settings(BaseSettings):
     metrics_organization_label: bool = False
     # Acquires waiting for a held lock (wait_seconds) in one process; beyond it, 503.
     max_waiters: int = Field(default=10_000, ge=0)
+
+    @property
+    def through_pooler(self) -> bool:
+        """Whether database_url goes through a transaction pooler (a direct URL is set)."""
+        return bool(self.direct_database_url)
+
+    @property
+    def session_database_url(self) -> str:
+        """Where LISTEN and migrations go: the direct URL if set, else database_url."""
+        return self.direct_database_url or self.database_url
 
     @property
     def query_deadline_seconds(self) -> float:

@@ -21,10 +21,12 @@ from psycopg import sql
 from service import embedded
 from service.app import create_app
 from service.migrate import migrate
-from service.settings import Settings
-from tests.support import url_for
+from tests.support import ROUTE, pgbouncer, url_for
 
 TEST_DATABASE_URL = "HELIX_TEST_DATABASE_URL"
+# HELIX_TEST_POOLER=pgbouncer: every service under test reaches its database through PgBouncer
+# in transaction mode (and LISTENs and migrates on the direct URL).
+TEST_POOLER = "HELIX_TEST_POOLER"
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +45,26 @@ def server_url() -> Iterator[str]:
     try:
         with embedded.server(workdir / "pgdata", delete=True) as url:
             yield url
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def route(server_url: str) -> Iterator[None]:
+    """Put PgBouncer between services under test and their databases, when asked to."""
+    pooler = os.environ.get(TEST_POOLER)
+    if not pooler:
+        yield
+        return
+    assert pooler == "pgbouncer", f"{TEST_POOLER}: only pgbouncer is known"
+    workdir = Path(tempfile.mkdtemp(prefix="helix-pgbouncer-"))
+    try:
+        with pgbouncer(server_url, workdir) as port:
+            ROUTE.pooler_port = port
+            yield
+            ROUTE.pooler_port = None
+        log = (workdir / "pgbouncer.log").read_text()
+        assert "prepared statement" not in log, log
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -106,7 +128,7 @@ def conn(db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
 @pytest.fixture
 async def client(db_url: str) -> AsyncIterator[httpx.AsyncClient]:
     """The app in-process, inside its lifespan, on this test's database."""
-    app = create_app(Settings(database_url=db_url, pool_timeout_seconds=1.0, allow_anonymous=True))
+    app = create_app(ROUTE.settings(db_url, pool_timeout_seconds=1.0, allow_anonymous=True))
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),

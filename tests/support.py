@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import socket
 import subprocess
 import sys
@@ -16,6 +17,9 @@ from typing import Any
 
 import httpx
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from service.embedded import DIRECT_DATABASE_URL
+from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -162,3 +166,85 @@ class TcpProxy:
             writer.transport.abort()
         self._writers.clear()
         await self._server.wait_closed()
+
+
+PGBOUNCER = "/usr/sbin/pgbouncer"
+
+
+@contextmanager
+def pgbouncer(server_url: str, workdir: Path) -> Iterator[int]:
+    """Debian's PgBouncer in transaction pooling mode in front of server_url's server, for any
+    database on it; yields its port. It refuses to run as root, so it runs as nobody then."""
+    params = conninfo_to_dict(server_url)
+    host = str(params.get("host") or "127.0.0.1")
+    target = f"host={host} port={params.get('port') or 5432} user={params.get('user') or 'postgres'}"
+    port = free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    workdir.chmod(0o777)
+    log = workdir / "pgbouncer.log"
+    ini = workdir / "pgbouncer.ini"
+    ini.write_text(
+        f"[databases]\n* = {target}\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        "auth_type = any\npool_mode = transaction\n"
+        "max_client_conn = 2000\ndefault_pool_size = 40\n"
+        f"logfile = {log}\npidfile = {workdir / 'pgbouncer.pid'}\n"
+    )
+    ini.chmod(0o644)
+    # As root, as the owner of the server's socket directory (the embedded server's own user),
+    # so that it may connect there; over TCP, as nobody.
+    owner = Path(host).stat().st_uid if host.startswith("/") else pwd.getpwnam("nobody").pw_uid
+    user = ["-u", pwd.getpwuid(owner).pw_name] if os.geteuid() == 0 else []
+    process = subprocess.Popen(
+        [PGBOUNCER, *user, str(ini)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError as exc:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    said = log.read_text() if log.exists() else ""
+                    raise RuntimeError(f"pgbouncer did not start: {said}") from exc
+                time.sleep(0.05)
+        yield port
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def through(port: int, database_url: str) -> str:
+    """database_url, reached through the pooler listening on port."""
+    return make_conninfo(database_url, host="127.0.0.1", port=str(port))
+
+
+class Route:
+    """How a service under test reaches its database: directly, or, when the session runs with
+    HELIX_TEST_POOLER=pgbouncer, through PgBouncer in transaction mode, with the direct URL
+    beside it (conftest sets pooler_port)."""
+
+    pooler_port: int | None = None
+
+    def database(self, db_url: str) -> dict[str, str]:
+        if self.pooler_port is None:
+            return {"database_url": db_url}
+        return {"database_url": through(self.pooler_port, db_url), "direct_database_url": db_url}
+
+    def settings(self, db_url: str, **overrides: Any) -> Settings:
+        """The service's settings for a test's database."""
+        return Settings(**{**self.database(db_url), **overrides})
+
+    def env(self, db_url: str, **more: str) -> dict[str, str | None]:
+        """The environment of a `serve` process for a test's database."""
+        database = self.database(db_url)
+        return {
+            "DATABASE_URL": database["database_url"],
+            DIRECT_DATABASE_URL: database.get("direct_database_url"),
+            **more,
+        }
+
+
+ROUTE = Route()

@@ -16,7 +16,7 @@ import pytest
 
 from service.app import create_app
 from service.settings import Settings
-from tests.support import TcpProxy
+from tests.support import ROUTE, TcpProxy
 
 pytestmark = pytest.mark.anyio
 Conn = psycopg.Connection[Any]
@@ -517,7 +517,7 @@ async def test_an_idempotency_key_replays_only_to_the_same_holder(client: httpx.
 async def test_an_app_that_stopped_can_be_collected(db_url: str) -> None:
     """Startup freezes the heap for the garbage collector; the end of the lifespan thaws it, or
     every app that a process ran one after another would live on."""
-    app = create_app(Settings(database_url=db_url, allow_anonymous=True))
+    app = create_app(ROUTE.settings(db_url, allow_anonymous=True))
     async with app.router.lifespan_context(app):
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0

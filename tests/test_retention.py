@@ -43,10 +43,11 @@ def seed(conn: Conn) -> None:
 
 async def test_old_ended_locks_are_pruned_in_batches_and_nothing_else(db_url: str, conn: Conn) -> None:
     seed(conn)
-    pool = create_pool(Settings(database_url=db_url))
+    settings = Settings(database_url=db_url, statement_timeout_ms=29_000)
+    pool = create_pool(settings)
     await pool.open(wait=True)
     try:
-        pruner = Pruner(Database(pool, 30.0), timedelta(days=7), batch=5000, interval=60)
+        pruner = Pruner(Database(pool, settings), timedelta(days=7), batch=5000, interval=60)
         assert await pruner.prune() == 200_000
         assert await pruner.prune() == 0
     finally:
@@ -64,10 +65,11 @@ async def test_only_one_replica_prunes_at_a_time(db_url: str, conn: Conn) -> Non
     seed(conn)
     with psycopg.connect(db_url) as other:
         other.execute("SELECT pg_advisory_xact_lock(hashtext('helix_prune_history'))")  # another replica
-        pool = create_pool(Settings(database_url=db_url))
+        settings = Settings(database_url=db_url)
+        pool = create_pool(settings)
         await pool.open(wait=True)
         try:
-            assert await Pruner(Database(pool, 30.0), timedelta(days=7), 5000, 60).prune() == 0
+            assert await Pruner(Database(pool, settings), timedelta(days=7), 5000, 60).prune() == 0
         finally:
             await pool.close()
 

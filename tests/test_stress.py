@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tests.history import check, database_history
 from tests.load import Load
-from tests.support import running_service
+from tests.support import ROUTE, running_service
 
 SECONDS = 8.0
 REPLICAS = 3
@@ -17,9 +17,7 @@ REPLICAS = 3
 def test_no_two_grants_of_one_key_overlap_under_racing_clients(db_url: str, tmp_path: Path) -> None:
     with ExitStack() as stack:
         urls = [
-            stack.enter_context(
-                running_service(env={"DATABASE_URL": db_url}, log=tmp_path / f"serve-{n}.log")
-            )[0]
+            stack.enter_context(running_service(env=ROUTE.env(db_url), log=tmp_path / f"serve-{n}.log"))[0]
             for n in range(REPLICAS)
         ]
         with Load(urls, clients=24) as load:

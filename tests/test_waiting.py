@@ -19,9 +19,8 @@ import pytest
 from service.app import create_app
 from service.errors import DatabaseUnavailable, LockHeld
 from service.locks import Grant
-from service.settings import Settings
 from service.waiting import Waiters
-from tests.support import running_service
+from tests.support import ROUTE, running_service
 
 pytestmark = pytest.mark.anyio
 Conn = psycopg.Connection[Any]
@@ -100,7 +99,7 @@ async def test_waiters_in_one_process_are_served_in_arrival_order(client: httpx.
 
 
 async def test_beyond_the_waiter_cap_the_answer_is_503(db_url: str) -> None:
-    app = create_app(Settings(database_url=db_url, allow_anonymous=True, max_waiters=1))
+    app = create_app(ROUTE.settings(db_url, allow_anonymous=True, max_waiters=1))
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
@@ -116,7 +115,7 @@ async def test_beyond_the_waiter_cap_the_answer_is_503(db_url: str) -> None:
 
 
 def test_a_release_in_one_process_wakes_a_waiter_in_another(db_url: str, tmp_path: Path) -> None:
-    env = {"DATABASE_URL": db_url}
+    env = ROUTE.env(db_url)
     with (
         running_service(env=env, log=tmp_path / "a.log") as (one, _),
         running_service(env=env, log=tmp_path / "b.log") as (two, _),
@@ -141,7 +140,7 @@ def test_a_release_in_one_process_wakes_a_waiter_in_another(db_url: str, tmp_pat
 
 
 def test_a_waiter_whose_client_left_does_not_keep_the_lock(db_url: str, tmp_path: Path, conn: Conn) -> None:
-    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
         held = httpx.post(f"{url}/v1/locks", json=body("holder"), timeout=10).json()
         port = int(url.rsplit(":", 1)[1])
         payload = json.dumps(body("leaver", wait=20)).encode()
@@ -164,7 +163,7 @@ def test_a_waiter_whose_client_left_does_not_keep_the_lock(db_url: str, tmp_path
 
 
 async def test_stopping_the_service_answers_waiting_requests(db_url: str) -> None:
-    app = create_app(Settings(database_url=db_url, allow_anonymous=True))
+    app = create_app(ROUTE.settings(db_url, allow_anonymous=True))
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         async with app.router.lifespan_context(app):
@@ -178,7 +177,7 @@ async def test_stopping_the_service_answers_waiting_requests(db_url: str) -> Non
 
 
 def test_sigterm_answers_waiting_requests_at_once(db_url: str, tmp_path: Path) -> None:
-    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, server):
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, server):
         httpx.post(f"{url}/v1/locks", json=body("holder"), timeout=10)
 
         async def scenario() -> tuple[httpx.Response, float]:
