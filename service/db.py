@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -169,14 +170,24 @@ class Database:
         self._statements: set[asyncio.Future[list[DictRow]]] = set()
 
     async def _fetch_all(self, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:
-        async with translated(), self.pool.connection() as conn:
+        async with translated():
+            # A session the server ended while it sat idle in a pool (a pooler's server
+            # connection, under a role's idle_session_timeout) never ran the statement: it is
+            # sent again on another connection. Each such session fails at once, and there are
+            # no more of them than connections in the pool.
+            for _ in range(self.pool.max_size):
+                with contextlib.suppress(psycopg.errors.IdleSessionTimeout):
+                    return await self._run(query, params)
+            return await self._run(query, params)
+
+    async def _run(self, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:
+        async with self.pool.connection() as conn:
             if not self.through_pooler:
                 cursor = await conn.execute(query, params)
                 return await cursor.fetchall()
             # One simple query: the transaction's settings, then the statement (its rows last).
-            prefix = (
-                queries.IN_TRANSACTION_17 if conn.info.server_version >= 170000 else queries.IN_TRANSACTION
-            )
+            modern = conn.info.server_version >= 170000
+            prefix = queries.IN_TRANSACTION_17 if modern else queries.IN_TRANSACTION
             params = {**params, "helix_statement_timeout_ms": self._statement_timeout_ms}
             cursor = await conn.execute(prefix + query, params)
             while cursor.nextset():

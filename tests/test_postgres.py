@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +28,11 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from service import queries
 from service.app import create_app
+from service.embedded import DIRECT_DATABASE_URL
 from tests.history import Told, check, database_history
-from tests.support import PGBOUNCER, ROUTE, helix_command, pgbouncer, running_service, through
+from tests.support import PGBOUNCER, ROUTE, free_port, helix_command, pgbouncer, running_service, through
 
 Conn = psycopg.Connection[Any]
 KEY = {"organization_id": "acme", "job_type": "hot"}
@@ -96,9 +102,7 @@ async def race(http: httpx.AsyncClient, clients: int, seconds: float) -> tuple[C
     return answers, told
 
 
-def _at(lock: dict[str, Any]) -> Any:
-    from datetime import datetime
-
+def _at(lock: dict[str, Any]) -> datetime:
     return datetime.fromisoformat(lock["acquired_at"])
 
 
@@ -140,3 +144,202 @@ async def test_a_waiter_is_woken_by_the_release_whatever_the_databases_defaults(
             assert (
                 await http.delete(f"/v1/locks/{lock['id']}", headers={"Lock-Token": lock["token"]})
             ).status_code == 204
+
+
+# In CI PgBouncer is installed (.ci/run), so these run there; elsewhere they need `apt-get install pgbouncer`.
+needs_pgbouncer = pytest.mark.skipif(
+    not Path(PGBOUNCER).exists() and not os.environ.get("CI"), reason="needs Debian's pgbouncer"
+)
+
+
+@pytest.fixture
+def transaction_pooler(server_url: str) -> Iterator[int]:
+    """A PgBouncer of this test's own, in transaction mode; its port."""
+    workdir = Path(tempfile.mkdtemp(prefix="helix-pgbouncer-"))
+    try:
+        with pgbouncer(server_url, workdir) as port:
+            yield port
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def serve(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`helix-locks serve ...` to its end (it refuses to start, in these tests)."""
+    environment = {k: v for k, v in os.environ.items() if k != DIRECT_DATABASE_URL} | env
+    return subprocess.run(
+        helix_command("serve", "--port", str(free_port()), *args),
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@needs_pgbouncer
+def test_behind_a_transaction_pooler_without_a_direct_url_serve_refuses_to_start(
+    transaction_pooler: int, db_url: str
+) -> None:
+    """LISTEN through a transaction pooler hears nothing: revoked keys would live on in the cache
+    and waiters would sleep until the holder's expiry. The self-test finds it out."""
+    result = serve(env={"DATABASE_URL": through(transaction_pooler, db_url)})
+    assert result.returncode == 2, result.stderr
+    assert "HELIX_LOCKS_DIRECT_DATABASE_URL" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@needs_pgbouncer
+def test_behind_a_transaction_pooler_with_a_direct_url_the_listener_hears_releases(
+    transaction_pooler: int, db_url: str, tmp_path: Path
+) -> None:
+    """The pool goes through PgBouncer, LISTEN goes direct: a waiter in another process is woken
+    by the release, and nothing is prepared (PgBouncer 1.18 would refuse a prepared statement)."""
+    env = {"DATABASE_URL": through(transaction_pooler, db_url), DIRECT_DATABASE_URL: db_url}
+    with (
+        running_service(env=env, log=tmp_path / "a.log") as (one, _),
+        running_service(env=env, log=tmp_path / "b.log") as (two, _),
+    ):
+        held = httpx.post(
+            f"{one}/v1/locks", json={**KEY, "holder": "h", "ttl_seconds": 30}, timeout=10
+        ).json()
+        waiting = {**KEY, "holder": "w", "ttl_seconds": 30, "wait_seconds": 20}
+
+        async def scenario() -> tuple[httpx.Response, float]:
+            waiter = asyncio.create_task(
+                asyncio.to_thread(httpx.post, f"{two}/v1/locks", json=waiting, timeout=30)
+            )
+            await asyncio.sleep(0.5)
+            released = time.monotonic()
+            answer = await asyncio.to_thread(
+                httpx.delete,
+                f"{one}/v1/locks/{held['id']}",
+                headers={"Lock-Token": held["token"]},
+                timeout=10,
+            )
+            assert answer.status_code == 204
+            return await waiter, time.monotonic() - released
+
+        granted, latency = asyncio.run(scenario())
+        assert granted.status_code == 201, granted.text
+        assert latency < 1.5, "woken by the release's NOTIFY, not by the holder's expiry"
+    for log in ("a.log", "b.log"):
+        text = (tmp_path / log).read_text()
+        assert "prepared statement" not in text and '"level": "error"' not in text, text
+
+
+# ---------------------------------------------------------------------------------------------
+# Least privilege: a role that owns only the schema migrates; a role with no DDL serves.
+
+
+@pytest.fixture
+def roles(server_url: str, empty_db_url: str) -> Iterator[tuple[str, str]]:
+    """An owner role (the schema helix is its) and a serving role, as the README's grants make
+    them, in this test's database only; both dropped afterwards."""
+    suffix = uuid.uuid4().hex[:8]
+    owner, app = f"helix_owner_{suffix}", f"helix_app_{suffix}"
+    database = sql.Identifier(str(conninfo_to_dict(empty_db_url)["dbname"]))
+    with psycopg.connect(server_url, autocommit=True) as server:
+        for role in (owner, app):
+            server.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    try:
+        with psycopg.connect(empty_db_url, autocommit=True) as db:
+            o, a = sql.Identifier(owner), sql.Identifier(app)
+            for statement in (
+                "REVOKE CREATE ON SCHEMA public FROM PUBLIC",  # PostgreSQL 15's default, on any version
+                "CREATE SCHEMA helix AUTHORIZATION {o}",
+                "ALTER ROLE {o} IN DATABASE {d} SET search_path = helix",
+                "ALTER ROLE {a} IN DATABASE {d} SET search_path = helix",
+                "GRANT USAGE ON SCHEMA helix TO {a}",
+                "ALTER DEFAULT PRIVILEGES FOR ROLE {o} IN SCHEMA helix GRANT SELECT ON TABLES TO {a}",
+                "ALTER DEFAULT PRIVILEGES FOR ROLE {o} IN SCHEMA helix GRANT EXECUTE ON FUNCTIONS TO {a}",
+            ):
+                db.execute(sql.SQL(statement).format(o=o, a=a, d=database))
+        yield owner, app
+    finally:
+        with psycopg.connect(empty_db_url, autocommit=True) as db:
+            for role in (app, owner):  # one at a time: both at once trips over the default ACLs
+                db.execute(sql.SQL("DROP OWNED BY {} CASCADE").format(sql.Identifier(role)))
+        with psycopg.connect(server_url, autocommit=True) as server:
+            for role in (owner, app):
+                server.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_an_owner_migrates_and_a_role_without_ddl_serves(
+    roles: tuple[str, str], empty_db_url: str, tmp_path: Path
+) -> None:
+    owner, app = roles
+    owner_url, app_url = make_conninfo(empty_db_url, user=owner), make_conninfo(empty_db_url, user=app)
+
+    refused = serve(env={"DATABASE_URL": app_url})
+    assert refused.returncode == 1, refused.stderr
+    assert "helix-locks migrate" in refused.stderr and "Traceback" not in refused.stderr
+
+    environment = {k: v for k, v in os.environ.items() if k != DIRECT_DATABASE_URL}
+    migrated = subprocess.run(
+        helix_command("migrate"),
+        env={**environment, "DATABASE_URL": owner_url},
+        capture_output=True,
+        text=True,
+    )
+    assert migrated.returncode == 0, migrated.stderr
+    with psycopg.connect(empty_db_url, autocommit=True) as db:
+        where = db.execute(
+            "SELECT DISTINCT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE c.relname LIKE 'helix%'"
+        ).fetchall()
+        assert where == [("helix",)]
+    admin = subprocess.run(
+        helix_command("keys", "create", "--admin"),
+        env={**environment, "DATABASE_URL": owner_url},
+        capture_output=True,
+        text=True,
+    )
+    assert admin.returncode == 0, admin.stderr
+    headers = {"Authorization": f"Bearer {admin.stdout.strip()}"}
+
+    env = {"DATABASE_URL": app_url, "HELIX_LOCKS_RETENTION_INTERVAL_SECONDS": "0.2"}
+    with (
+        running_service(env=env, log=tmp_path / "s.log") as (url, _),
+        httpx.Client(base_url=url, headers=headers) as http,
+    ):
+        body = {**KEY, "holder": "w1", "ttl_seconds": 30}
+        first = http.post("/v1/locks", json=body)
+        assert first.status_code == 201, first.text
+        lock = first.json()
+        assert http.post("/v1/locks", json=body).status_code == 409
+        token = {"Lock-Token": lock["token"]}
+        assert (
+            http.post(f"/v1/locks/{lock['id']}/renew", json={"ttl_seconds": 30}, headers=token).status_code
+            == 200
+        )
+        assert http.get("/v1/locks/current", params=KEY).json()["id"] == lock["id"]
+        assert http.get("/v1/locks").json()["items"][0]["id"] == lock["id"]
+        waiter = http.post("/v1/locks", json={**body, "holder": "w2", "wait_seconds": 0.5})
+        assert waiter.status_code == 409  # registered, woken by its timer, unregistered
+        assert http.delete(f"/v1/locks/{lock['id']}", headers=token).status_code == 204
+        second = http.post("/v1/locks", json=body).json()
+        assert http.delete(f"/v1/locks/{second['id']}", params={"force": "true"}).status_code == 204
+        assert len(http.get("/v1/locks", params={"state": "released"}).json()["items"]) == 2
+        assert http.get("/metrics").status_code == 200
+        time.sleep(0.5)  # retention ran, as that role
+    log = (tmp_path / "s.log").read_text()
+    assert "permission denied" not in log and "retention failed" not in log, log
+
+
+def test_every_function_a_service_calls_runs_as_its_owner_with_a_pinned_search_path(conn: Conn) -> None:
+    """SECURITY DEFINER with the migrated search_path, and no EXECUTE for PUBLIC: a serving role
+    needs no rights on the tables, and nobody else may act through the owner's."""
+    called = set(
+        re.findall(r"\b(helix_\w+)\(", " ".join(v for v in vars(queries).values() if isinstance(v, str)))
+    )
+    assert {"helix_acquire_job_lock", "helix_release_job_lock", "helix_stop_waiting"} <= called
+    rows = conn.execute(
+        "SELECT p.proname, p.prosecdef, coalesce(array_to_string(p.proconfig, ','), ''),"
+        " has_function_privilege('public', p.oid, 'EXECUTE')"
+        " FROM pg_proc p WHERE p.proname LIKE 'helix%%' AND p.prosecdef"
+    ).fetchall()
+    definers = {name for name, *_ in rows}
+    assert called <= definers, f"called without SECURITY DEFINER: {called - definers}"
+    for name, _, config, public in rows:
+        assert config.startswith("search_path="), f"{name}: {config}"
+        assert config.endswith("pg_temp"), f"{name}: {config}"
+        assert not public, f"{name}: PUBLIC may execute it"
