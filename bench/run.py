@@ -56,8 +56,12 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # PgBouncer, as the tests run it
+
 from service import keys
+from service.embedded import DIRECT_DATABASE_URL
 from service.migrate import migrate
+from tests.support import pgbouncer, through
 
 CPUS = os.cpu_count() or 1
 SIDES = ("helix", "etcd", "pgbench")
@@ -284,8 +288,11 @@ def service(url: str, workers: int, log_path: Path) -> Iterator[str]:
 
 
 @contextmanager
-def service_process(url: str, workers: int, log_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """service(), yielding the process too (with --workers 1 it is the one serving requests)."""
+def service_process(
+    url: str, workers: int, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """service(), yielding the process too (with --workers 1 it is the one serving requests);
+    `env` is laid over DATABASE_URL=url."""
     port = free_port()
     installed = Path(sys.executable).with_name("helix-locks")
     command = [str(installed)] if installed.exists() else [sys.executable, "-m", "service.cli"]
@@ -294,7 +301,7 @@ def service_process(url: str, workers: int, log_path: Path) -> Iterator[tuple[st
         # Its own session: Ctrl-C reaches only us, and we stop it in order.
         process = subprocess.Popen(
             command,
-            env={**os.environ, "DATABASE_URL": url},
+            env={**os.environ, "DATABASE_URL": url, **(env or {})},
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -914,6 +921,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--history", type=int, default=200_000, help="ended locks seeded before measuring (default: 200000)"
     )
     parser.add_argument("--live", type=int, default=10_000, help="live locks seeded (default: 10000)")
+    parser.add_argument(
+        "--pgbouncer",
+        action="store_true",
+        help="put Debian's PgBouncer (transaction mode) between the service and PostgreSQL, with the"
+        " direct URL set: the cost of the pooler mode",
+    )
     args = parser.parse_args(argv)
     try:
         args.levels = [int(level) for level in args.clients.split(",")]
@@ -1045,8 +1058,16 @@ def main(argv: list[str] | None = None) -> int:
             log(setup[-1])
             setup.append(check_plans(url))
             log(setup[-1])
+            service_env = None
+            if args.pgbouncer:
+                pooler = cleanup.enter_context(pgbouncer(url))
+                service_env = {"DATABASE_URL": through(pooler.port, url), DIRECT_DATABASE_URL: url}
+                setup.append(
+                    "helix reaches PostgreSQL through PgBouncer (Debian's), pool_mode = transaction, with"
+                    " HELIX_LOCKS_DIRECT_DATABASE_URL for LISTEN; pgbench goes direct"
+                )
             base_url, process = cleanup.enter_context(
-                service_process(url, args.workers, workdir / "service.log")
+                service_process(url, args.workers, workdir / "service.log", service_env)
             )
             key = create_key(url, base_url)
             etcd_url = cleanup.enter_context(etcd_server(workdir))

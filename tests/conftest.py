@@ -57,16 +57,12 @@ def route(server_url: str) -> Iterator[None]:
         yield
         return
     assert pooler == "pgbouncer", f"{TEST_POOLER}: only pgbouncer is known"
-    workdir = Path(tempfile.mkdtemp(prefix="helix-pgbouncer-"))
-    try:
-        with pgbouncer(server_url, workdir) as port:
-            ROUTE.pooler_port = port
-            yield
-            ROUTE.pooler_port = None
-        log = (workdir / "pgbouncer.log").read_text()
-        assert "prepared statement" not in log, log
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with pgbouncer(server_url) as running:
+        ROUTE.pooler_port = running.port
+        yield
+        ROUTE.pooler_port = None
+        log = running.log.read_text()
+    assert "prepared statement" not in log, log
 
 
 def _create(server_url: str, name: str, template: str | None = None) -> None:

@@ -6,12 +6,15 @@ import asyncio
 import json
 import os
 import pwd
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -171,15 +174,25 @@ class TcpProxy:
 PGBOUNCER = "/usr/sbin/pgbouncer"
 
 
+@dataclass(frozen=True)
+class Pooler:
+    """A running PgBouncer: its port, and its log file."""
+
+    port: int
+    log: Path
+
+
 @contextmanager
-def pgbouncer(server_url: str, workdir: Path) -> Iterator[int]:
+def pgbouncer(server_url: str) -> Iterator[Pooler]:
     """Debian's PgBouncer in transaction pooling mode in front of server_url's server, for any
-    database on it; yields its port. It refuses to run as root, so it runs as nobody then."""
+    database on it. It refuses to run as root: as root it runs as the owner of the server's
+    socket directory (the embedded server's own user), so that it may connect there, or as
+    nobody over TCP; its files are in a directory of its own under /tmp, which that user reaches."""
     params = conninfo_to_dict(server_url)
     host = str(params.get("host") or "127.0.0.1")
     target = f"host={host} port={params.get('port') or 5432} user={params.get('user') or 'postgres'}"
     port = free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="helix-pgbouncer-"))
     workdir.chmod(0o777)
     log = workdir / "pgbouncer.log"
     ini = workdir / "pgbouncer.ini"
@@ -192,13 +205,9 @@ def pgbouncer(server_url: str, workdir: Path) -> Iterator[int]:
         f"logfile = {log}\npidfile = {workdir / 'pgbouncer.pid'}\n"
     )
     ini.chmod(0o644)
-    # As root, as the owner of the server's socket directory (the embedded server's own user),
-    # so that it may connect there; over TCP, as nobody.
     owner = Path(host).stat().st_uid if host.startswith("/") else pwd.getpwnam("nobody").pw_uid
     user = ["-u", pwd.getpwuid(owner).pw_name] if os.geteuid() == 0 else []
-    process = subprocess.Popen(
-        [PGBOUNCER, *user, str(ini)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
-    )
+    process = subprocess.Popen([PGBOUNCER, *user, str(ini)], stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -210,10 +219,11 @@ def pgbouncer(server_url: str, workdir: Path) -> Iterator[int]:
                     said = log.read_text() if log.exists() else ""
                     raise RuntimeError(f"pgbouncer did not start: {said}") from exc
                 time.sleep(0.05)
-        yield port
+        yield Pooler(port, log)
     finally:
         process.terminate()
         process.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def through(port: int, database_url: str) -> str:

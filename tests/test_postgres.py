@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
 import subprocess
-import tempfile
 import time
 import uuid
 from collections import Counter
@@ -155,12 +153,8 @@ needs_pgbouncer = pytest.mark.skipif(
 @pytest.fixture
 def transaction_pooler(server_url: str) -> Iterator[int]:
     """A PgBouncer of this test's own, in transaction mode; its port."""
-    workdir = Path(tempfile.mkdtemp(prefix="helix-pgbouncer-"))
-    try:
-        with pgbouncer(server_url, workdir) as port:
-            yield port
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with pgbouncer(server_url) as running:
+        yield running.port
 
 
 def serve(*args: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
