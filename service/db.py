@@ -64,6 +64,11 @@ def _invalid(exc: psycopg.Error) -> LockError:
     return InvalidArgument(exc.diag.column_name or "body", exc.diag.message_primary or "invalid")
 
 
+POOLER_WITHOUT_DIRECT_URL = (
+    "a prepared statement was lost: DATABASE_URL goes through a transaction pooler, so set "
+    "HELIX_LOCKS_DIRECT_DATABASE_URL to a direct connection"
+)
+
 # SQLSTATE -> domain error. The codes are raised by the functions in migrations/.
 SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "23505": _lock_held,
@@ -73,6 +78,10 @@ SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "HL003": _lock_ended,
     # A primary that just became a standby (failover): it will not take writes, try again.
     "25006": lambda exc: DatabaseUnavailable("read-only transaction"),
+    # Prepared statements lost or doubled: DATABASE_URL goes through a transaction pooler, but no
+    # direct URL says so (`serve` refuses to start so; an app built otherwise answers 503).
+    "26000": lambda exc: DatabaseUnavailable(POOLER_WITHOUT_DIRECT_URL),
+    "42P05": lambda exc: DatabaseUnavailable(POOLER_WITHOUT_DIRECT_URL),
 }
 
 

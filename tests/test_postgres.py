@@ -29,6 +29,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from service import queries
 from service.app import create_app
 from service.embedded import DIRECT_DATABASE_URL
+from service.settings import Settings
 from tests.history import Told, check, database_history
 from tests.support import PGBOUNCER, ROUTE, free_port, helix_command, pgbouncer, running_service, through
 
@@ -179,6 +180,46 @@ def test_behind_a_transaction_pooler_without_a_direct_url_serve_refuses_to_start
     assert result.returncode == 2, result.stderr
     assert "HELIX_LOCKS_DIRECT_DATABASE_URL" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@needs_pgbouncer
+@pytest.mark.anyio
+async def test_an_app_built_behind_a_pooler_without_a_direct_url_answers_503_not_500(
+    transaction_pooler: int, db_url: str, conn: Conn
+) -> None:
+    """An app not started by `serve` (no self-test) and told nothing of the pooler prepares its
+    statements, which a transaction pooler loses: 503 naming the setting in the log, never 500."""
+    settings = Settings(
+        database_url=through(transaction_pooler, db_url),
+        allow_anonymous=True,
+        pool_min_size=2,
+        pool_max_size=2,
+    )
+    app = create_app(settings)
+    transport = httpx.ASGITransport(app=app)
+    statuses: Counter[int] = Counter()
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://t") as http,
+    ):
+        for batch in range(10):  # two connections at once, each with its own _pg3_0, _pg3_1...
+            if batch == 5:  # new server connections behind the pooler: what was prepared is gone
+                conn.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                    " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                )
+            answers = await asyncio.gather(
+                *(
+                    http.post(
+                        "/v1/locks",
+                        json={**KEY, "job_type": f"job-{batch}-{n}", "holder": "h", "ttl_seconds": 30},
+                    )
+                    for n in range(4)
+                )
+            )
+            statuses.update(answer.status_code for answer in answers)
+    assert 500 not in statuses, statuses
+    assert statuses[503] > 0, "the pooler lost prepared statements, and said so"
 
 
 @needs_pgbouncer
