@@ -39,7 +39,7 @@ secs() { printf '%d.%03d' "$(($1 / 1000))" "$(($1 % 1000))"; }
 now_ms() { local t="${EPOCHREALTIME//[!0-9]/}"; echo "$((t / 1000))"; }  # bash has no monotonic clock
 
 workdir="$(mktemp -d)"
-lock_id="" token="" renewer_pid="" work_pid="" lost=0
+lock_id="" token="" idempotency_key="" renewer_pid="" work_pid="" lost=0
 stop() { if [[ -n "$1" ]]; then kill "$1" 2>/dev/null || true; wait "$1" || true; fi; }
 cleanup() {
   stop "$renewer_pid"; stop "$work_pid"
@@ -57,6 +57,7 @@ exit_if_lost() { if ((lost)); then log "stopping: lock $lock_id lost"; token="";
 secret_headers() {
   if [[ -n "${HELIX_LOCKS_API_KEY:-}" ]]; then printf 'Authorization: Bearer %s\n' "$HELIX_LOCKS_API_KEY"; fi
   if [[ -n "$token" ]]; then printf 'Lock-Token: %s\n' "$token"; fi
+  if [[ -n "$idempotency_key" ]]; then printf 'Idempotency-Key: %s\n' "$idempotency_key"; fi
 }
 # call NAME TIMEOUT_MS METHOD PATH [JSON]: the answer's body goes to $workdir/NAME; prints
 # "STATUS RETRY_AFTER", status 000 when no answer came in time.
@@ -71,6 +72,9 @@ acquire() {  # sets lock_id, token, fencing_token, acquired_at and lease_end
   local body status retry_after sent nap_ms backoff_ms=100 deadline=$((SECONDS + wait_seconds))
   body="$(jq -nc --arg o "$org" --arg j "$job_type" --arg h "$holder" --argjson t "$ttl" \
     '{organization_id: $o, job_type: $j, holder: $h, ttl_seconds: $t}')"
+  # One key for every try of this acquire: a try whose answer was lost (or was 503) may have been
+  # granted, and repeating the key gets that grant back instead of a 409 from our own lock.
+  idempotency_key="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
   while :; do
     sent="$(now_ms)"
     read -r status retry_after <<<"$(call acquire 10000 POST /v1/locks "$body")"
@@ -91,6 +95,7 @@ acquire() {  # sets lock_id, token, fencing_token, acquired_at and lease_end
     backoff_ms=$((backoff_ms * 2 > 2000 ? 2000 : backoff_ms * 2))
     sleep "$(secs "$nap_ms")"
   done
+  idempotency_key=""
   IFS=$'\t' read -r lock_id token fencing_token acquired_at < <(
     jq -r '[.id, .token, .fencing_token, .acquired_at] | @tsv' "$workdir/acquire")
   lease_end=$((sent + ttl_ms))  # counted from when we asked: never later than the real end
@@ -119,6 +124,27 @@ renew_loop() {
   done
 }
 
+# Release, retrying while no answer comes (or 503), for at most TTL/3: the renewer had renewed
+# within TTL/3, or it would have stopped the work. A 410 answers only the right Lock-Token (a wrong
+# one is 403), so release_reason "released" there means an earlier try of ours took effect and its
+# answer was lost: released all the same. Returns 76 if the lock was lost.
+release() {
+  local status retry_after until=$(($(now_ms) + renew_every_ms))
+  while :; do
+    read -r status retry_after <<<"$(call release 10000 DELETE "/v1/locks/$lock_id")"
+    case "$status" in
+      204) return 0 ;;
+      410) if [[ "$(jq -r .release_reason "$workdir/release")" == released ]]; then return 0; fi
+        log "lock $lock_id was lost before its release: $(cat "$workdir/release")"; return 76 ;;
+      000 | 5??) if (($(now_ms) + ${retry_after:-1} * 1000 >= until)); then
+        log "release failed ($status); the lease runs out by itself"; return 0
+      fi
+        sleep "${retry_after:-1}" ;;
+      *) log "release answered $status: $(cat "$workdir/release")"; return 1 ;;
+    esac
+  done
+}
+
 for ((i = 1; i <= iterations; i++)); do
   acquire
   renew_loop & renewer_pid=$!
@@ -131,13 +157,9 @@ for ((i = 1; i <= iterations; i++)); do
   stop "$renewer_pid"  # before releasing, so that no renewal crosses the release
   renewer_pid=""
   exit_if_lost  # the renewer may have found the lock lost in the meantime
-  read -r status _ <<<"$(call release 10000 DELETE "/v1/locks/$lock_id")"
+  status=0
+  release || status=$?
   token=""
-  case "$status" in
-    204) ;;
-    410) log "lock $lock_id was lost before its release: $(cat "$workdir/release")"; exit 76 ;;
-    000 | 5??) log "release failed ($status); the lease runs out by itself" ;;
-    *) log "release answered $status: $(cat "$workdir/release")"; exit 1 ;;
-  esac
+  if ((status)); then exit "$status"; fi
 done
 log "done: $iterations iterations"

@@ -16,6 +16,7 @@
 // 69 the service could not be reached until then; 76 the lock was lost (410, or renewals failed until
 // the lease was nearly over): the work was stopped at once and the lock not released; 1 unexpected
 // answer; 2 bad configuration. SIGTERM/Ctrl-C stop the work and release the lock.
+import { randomUUID } from "node:crypto";
 import { appendFile } from "node:fs/promises";
 import { hostname } from "node:os";
 import { setTimeout as sleep } from "node:timers/promises";
@@ -36,10 +37,11 @@ const log = (message) => console.error(`${holder}: ${message}`);
 class Exit extends Error { constructor(status, message) { super(message); this.status = status; } }
 
 // One HTTP call. It never throws: no answer in time is status 0, worth retrying like a 503.
-async function call(method, path, { token, body, timeoutMs = 10_000 } = {}) {
+async function call(method, path, { token, idempotencyKey, body, timeoutMs = 10_000 } = {}) {
   const headers = { "content-type": "application/json" };
   if (env.HELIX_LOCKS_API_KEY) headers.authorization = `Bearer ${env.HELIX_LOCKS_API_KEY}`;
   if (token) headers["lock-token"] = token;
+  if (idempotencyKey) headers["idempotency-key"] = idempotencyKey;
   try {
     const answer = await fetch(url + path, {
       method, headers, body: body && JSON.stringify(body), signal: AbortSignal.timeout(timeoutMs),
@@ -54,10 +56,13 @@ async function call(method, path, { token, body, timeoutMs = 10_000 } = {}) {
 
 async function acquire() {
   const body = { organization_id: org, job_type: jobType, holder, ttl_seconds: ttlMs / 1000 };
+  // One key for every try: a try whose answer was lost (or was 503) may have been granted, and
+  // repeating the key gets that grant back instead of a 409 from our own lock.
+  const idempotencyKey = randomUUID();
   const deadline = performance.now() + waitMs;
   for (let backoffMs = 100; ; backoffMs = Math.min(backoffMs * 2, 2000)) {
     const sent = performance.now();
-    const answer = await call("POST", "/v1/locks", { body });
+    const answer = await call("POST", "/v1/locks", { body, idempotencyKey });
     // The lease counted from when we asked: it never ends later than the service's.
     if (answer.status === 201) return { ...answer.json, leaseEnd: sent + ttlMs };
     if (answer.status === 409) log(`lock held by ${answer.json.holder}`);
@@ -91,6 +96,26 @@ async function renewLoop(lock, stopped, lost) {
   }
 }
 
+// Release, retrying while no answer comes (or 503), for at most TTL/3: the renewer had renewed
+// within TTL/3, or it would have stopped the work. A 410 answers only the right Lock-Token (a wrong
+// one is 403), so release_reason "released" there means an earlier try of ours took effect and its
+// answer was lost: released all the same.
+async function release(lock) {
+  const until = performance.now() + renewEveryMs;
+  for (;;) {
+    const answer = await call("DELETE", `/v1/locks/${lock.id}`, { token: lock.token });
+    const why = `release answered ${answer.status}: ${answer.text}`;
+    if (answer.status === 204) return;
+    if (answer.status === 410 && answer.json.release_reason === "released") return;
+    if (answer.status === 410) throw new Exit(76, `lock ${lock.id} was lost before its release: ${why}`);
+    if (answer.status !== 0 && answer.status < 500) throw new Exit(1, why);
+    if (performance.now() + answer.retryAfter * 1000 >= until) {
+      return log(`${why}; the lease runs out by itself`);
+    }
+    await sleep(answer.retryAfter * 1000);
+  }
+}
+
 let holding = false; // SIGTERM/Ctrl-C while holding the lock: stop the work and release it first
 const interrupted = new AbortController();
 for (const [name, status] of [["SIGINT", 130], ["SIGTERM", 143]]) {
@@ -120,12 +145,8 @@ async function main() {
     stopped.abort();
     await renewer; // before releasing, so that no renewal crosses the release
     if (lost.signal.aborted) throw new Exit(76, `stopping: lock ${lock.id} lost: ${lost.signal.reason}`);
-    const answer = await call("DELETE", `/v1/locks/${lock.id}`, { token: lock.token });
+    await release(lock);
     holding = false;
-    const why = `release answered ${answer.status}: ${answer.text}`;
-    if (answer.status === 410) throw new Exit(76, `lock ${lock.id} was lost before its release: ${why}`);
-    if (answer.status === 0 || answer.status >= 500) log(`${why}; the lease runs out by itself`);
-    else if (answer.status !== 204) throw new Exit(1, why);
     interrupted.signal.throwIfAborted();
     if (failure) throw failure;
   }

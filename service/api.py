@@ -253,7 +253,9 @@ async def _wait_for(
         gone.set_result(None)
 
     async def release(grant: Grant) -> None:
-        await locks.release(caller, grant.lock.id, grant.token)
+        # Unless the client's retry (same Idempotency-Key, maybe through another replica) was
+        # handed this grant meanwhile: then it is the retry's to keep.
+        await locks.release_unclaimed(caller, grant.lock.id, grant.token)
 
     watcher = asyncio.create_task(watch())
     try:

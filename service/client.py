@@ -63,7 +63,20 @@ class LockHeld(HelixError):
 
 
 class LockLost(HelixError):
-    """The lock is no longer held: it ended, was reclaimed or forced, or may have lapsed."""
+    """The lock is no longer held: it ended, was reclaimed or forced, or may have lapsed.
+
+    `problem` is the service's answer when it said so (410, 403, 404), else empty."""
+
+    def __init__(self, reason: str, problem: Mapping[str, Any] | None = None) -> None:
+        super().__init__(reason)
+        self.problem = dict(problem or {})
+
+    @property
+    def released_by_its_token(self) -> bool:
+        """A 410 answers a request whose Lock-Token matched (a wrong one is 403 whatever the
+        state), and release_reason "released" says the lock was released with that token:
+        by this holder, through an earlier attempt whose answer was lost."""
+        return self.problem.get("status") == 410 and self.problem.get("release_reason") == "released"
 
 
 @dataclass(frozen=True)
@@ -109,7 +122,7 @@ def _raise_for(response: httpx.Response, holding: bool) -> None:
     if response.status_code == 409:
         raise LockHeld(problem, _retry_after(response, 1.0))
     if response.status_code == 410 or (holding and response.status_code in GONE):
-        raise LockLost(f"{response.status_code}: {problem.get('detail', '')}".strip())
+        raise LockLost(f"{response.status_code}: {problem.get('detail', '')}".strip(), problem)
     raise ApiError(response.status_code, problem)
 
 
@@ -302,8 +315,15 @@ class LockClient:
         return renewed
 
     def release(self, lock_id: int, token: str) -> None:
-        """Release; LockLost if the lock had already ended (it was not ours any more)."""
-        self._send("DELETE", f"/v1/locks/{lock_id}", headers={"Lock-Token": token}, holding=True)
+        """Release; LockLost if the lock had already ended otherwise (it was not ours any more).
+
+        A retry after an answer that never came (or a 503) may find the lock released by the
+        first attempt: that is this release's own success, not a loss."""
+        try:
+            self._send("DELETE", f"/v1/locks/{lock_id}", headers={"Lock-Token": token}, holding=True)
+        except LockLost as lost:
+            if not lost.released_by_its_token:
+                raise
 
     def get(self, lock_id: int) -> dict[str, Any]:
         found: dict[str, Any] = self._send("GET", f"/v1/locks/{lock_id}").json()
@@ -454,7 +474,12 @@ class AsyncLockClient:
         return renewed
 
     async def release(self, lock_id: int, token: str) -> None:
-        await self._send("DELETE", f"/v1/locks/{lock_id}", headers={"Lock-Token": token}, holding=True)
+        """As LockClient.release."""
+        try:
+            await self._send("DELETE", f"/v1/locks/{lock_id}", headers={"Lock-Token": token}, holding=True)
+        except LockLost as lost:
+            if not lost.released_by_its_token:
+                raise
 
     async def get(self, lock_id: int) -> dict[str, Any]:
         found: dict[str, Any] = (await self._send("GET", f"/v1/locks/{lock_id}")).json()

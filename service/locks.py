@@ -183,6 +183,12 @@ class Locks:
         params = {"lock_id": lock_id, "token": token, "scope": caller.scope}
         return Lock.from_row(await self.db.fetch_first(queries.RELEASE, params))
 
+    async def release_unclaimed(self, caller: Caller, lock_id: int, token: str) -> bool:
+        """Release a grant nobody was told of (its waiting client left), unless a retry with its
+        Idempotency-Key claimed it meanwhile; True if released."""
+        params = {"lock_id": lock_id, "token": token, "scope": caller.scope}
+        return bool((await self.db.fetch_first(queries.RELEASE_UNCLAIMED, params))["released"])
+
     async def force_release(self, caller: Caller, lock_id: int) -> Lock:
         """Break a lock without its token: admin keys only, recorded with the key's id."""
         if not caller.admin:

@@ -71,6 +71,9 @@ RELEASE = "SELECT " + LOCK + " FROM helix_release_job_lock(%(lock_id)s, %(token)
 
 FORCE_RELEASE = "SELECT " + LOCK + " FROM helix_force_release_job_lock(%(lock_id)s, %(key_id)s)"
 
+# A waiting acquire's grant whose client left: released unless a replay claimed it (0010).
+RELEASE_UNCLAIMED = "SELECT helix_release_unclaimed(%(lock_id)s, %(token)s, %(scope)s) AS released"
+
 RENEW = "SELECT " + LOCK + ", lapsed FROM helix_renew_job_lock(%(lock_id)s, %(token)s, %(ttl_ms)s, %(scope)s)"
 
 GET = (

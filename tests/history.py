@@ -8,7 +8,9 @@ The guarantees it checks, per (organization_id, job_type):
   at least the latest expiry a renewal announced (renewals in a run never shorten a lease), and a
   reclaim came only after that expiry;
 - every grant a client was told about exists in the database, as told;
-- every release a client was told about (204) is in the database as released.
+- every release a client was told about (204) is in the database as released;
+- a lock a client was told it holds ends only by that client's release, by force, or by a reclaim
+  after its lease ran out: never released by the service on its own (given the release attempts).
 An answer that never came is unknown, as Jepsen has it: it may or may not have taken effect, so
 the database may hold grants no client was told about (left to expire) but never fewer.
 """
@@ -67,9 +69,16 @@ def database_history(db_url: str) -> list[Grant]:
 
 
 def check(
-    grants: list[Grant], told: list[Told], renewed: list[Renewed], released: Sequence[int] = ()
+    grants: list[Grant],
+    told: list[Told],
+    renewed: list[Renewed],
+    released: Sequence[int] = (),
+    release_attempts: Sequence[int] | None = None,
 ) -> list[str]:
-    """Every violation found; an empty list means the history is linearizable as a lock."""
+    """Every violation found; an empty list means the history is linearizable as a lock.
+
+    `release_attempts` are the locks whose holders sent a release, answered or not; given, a told
+    lock that ended "released" without one is a violation."""
     violations: list[str] = []
     promised: dict[int, datetime] = {}  # the latest expiry a renewal announced, per lock
     for renewal in renewed:
@@ -117,6 +126,15 @@ def check(
             answer.acquired_at,
         ):
             violations.append(f"lock {answer.lock_id}: the client was told {answer}, the database has {kept}")
+    if release_attempts is not None:
+        attempted = set(release_attempts)
+        for answer in told:
+            kept = stored.get(answer.lock_id)
+            if kept is not None and kept.release_reason == "released" and answer.lock_id not in attempted:
+                violations.append(
+                    f"lock {answer.lock_id}: released while its holder, told it held the lock,"
+                    " never released it"
+                )
     for lock_id in released:
         reason = (stored[lock_id].release_reason or "not released") if lock_id in stored else "lost"
         if reason != "released":

@@ -30,6 +30,7 @@ class Run:
     told: list[Told] = field(default_factory=list)
     renewed: list[Renewed] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # lock ids a 204 answered
+    release_attempts: list[int] = field(default_factory=list)  # lock ids a release was sent for
     answers: Counter[str] = field(default_factory=Counter)  # "acquire 201", "release 410", ...
     crashes: int = 0
     unknown: int = 0
@@ -177,6 +178,7 @@ class Load:
                     run.renewed.append(Renewed(grant["id"], renewed_at, expires_at))
                     await anyio.sleep(rng.uniform(0, 0.03))
                 lock_url = f"{rng.choice(self.urls)}/v1/locks/{grant['id']}"
+                run.release_attempts.append(grant["id"])
                 release = await self._call(http, "release", "DELETE", lock_url, headers=headers)
                 if release is not None and release.status_code == 204:
                     run.released.append(grant["id"])

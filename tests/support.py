@@ -11,10 +11,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -258,3 +260,63 @@ class Route:
 
 
 ROUTE = Route()
+
+
+class LyingProxy:
+    """An HTTP front for a service: it forwards every request, but answers 503 in place of the
+    service's answer to the first request matching each lie (method, path prefix). The request
+    took effect; its client was told it did not, as when a 503 came while the statement ran on."""
+
+    def __init__(self, target: str, lies: list[tuple[str, str]]) -> None:
+        self.target = target
+        self.lies = list(lies)
+        self.told: list[tuple[str, str, int]] = []  # (method, path, status the client got)
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {
+                    k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")
+                }
+                answer = httpx.request(
+                    self.command, proxy.target + self.path, headers=headers, content=body, timeout=60
+                )
+                lie = next(
+                    (x for x in proxy.lies if self.command == x[0] and self.path.startswith(x[1])), None
+                )
+                if lie is not None:
+                    proxy.lies.remove(lie)
+                    status, content, out = 503, b'{"status": 503, "title": "lied"}', {"Retry-After": "1"}
+                else:
+                    status, content = answer.status_code, answer.content
+                    out = {
+                        k: v
+                        for k, v in answer.headers.items()
+                        if k.lower() in ("content-type", "retry-after", "location")
+                    }
+                proxy.told.append((self.command, self.path, status))
+                self.send_response(status)
+                for name, value in {"Content-Type": "application/problem+json", **out}.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            do_GET = do_POST = do_DELETE = do_PATCH = _forward
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> LyingProxy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -77,3 +77,14 @@ def test_a_release_the_database_lost_is_caught() -> None:
         assert violations == [
             f"lock {lock_id}: a client was told it was released, the database says {reason}"
         ], violations
+
+
+def test_a_lock_the_service_released_behind_its_holders_back_is_caught() -> None:
+    """Issue 15, finding 2: a waiter's client left, its retry was handed the grant, and the
+    service's clean-up then released it while the retry's holder believed it held the lock."""
+    grants = sound()
+    assert check(grants, told_of(grants), [], release_attempts=[1]) == []
+    violations = check(grants, told_of(grants), [], release_attempts=[])
+    assert violations == ["lock 1: released while its holder, told it held the lock, never released it"], (
+        violations
+    )

@@ -292,3 +292,123 @@ def test_holder_waiting_behind_a_reclaim_learns_it_lost_the_lock(
             reclaimer.commit()
     assert outcome["error"].sqlstate == "HL003"
     assert json.loads(outcome["error"].diag.message_detail)["release_reason"] == "reclaimed"
+
+
+ACQUIRE_KEYED = "SELECT * FROM helix_acquire_job_lock(%s, %s, %s, %s, %s, %s)"
+
+
+def acquire_keyed(conn: Conn, holder: str, key: str, ttl_ms: int = 30_000) -> dict[str, Any]:
+    rows = conn.cursor(row_factory=dict_row).execute(ACQUIRE_KEYED, ("org", "job", holder, ttl_ms, None, key))
+    found = rows.fetchall()
+    assert len(found) == 1
+    return found[0]
+
+
+def counter(conn: Conn) -> int:
+    value = conn.execute(
+        "SELECT last_fencing_token FROM helix_lock_keys WHERE organization_id = 'org'"
+    ).fetchone()
+    assert value is not None
+    return int(value[0])
+
+
+def test_a_replay_that_waited_for_its_uncommitted_original_gets_the_original_grant(
+    db_url: str, conn: Conn
+) -> None:
+    """Issue 15, finding 1: the original still runs (its client got 503 and retried); the retry
+    waits for the key, then must get the original's grant back, not a 409 naming itself."""
+    with psycopg.connect(db_url) as original, psycopg.connect(db_url, autocommit=True) as retry:
+        first = acquire_keyed(original, "w1", "anon/k1")  # transaction left open
+        with waiting(conn, retry, lambda: acquire_keyed(retry, "w1", "anon/k1")) as outcome:
+            original.commit()
+    assert "error" not in outcome, outcome.get("error")
+    again = outcome["result"]
+    assert (again["id"], again["token"], again["fencing_token"]) == (first["id"], first["token"], 1)
+    assert counter(conn) == 1, "the replay gave its fencing increment back"
+    conn.execute("SELECT helix_release_job_lock(%s, %s, NULL)", (first["id"], first["token"]))
+    assert acquire_keyed(conn, "w2", "anon/k2")["fencing_token"] == 2
+
+
+@pytest.mark.parametrize("first", ["claim", "cleanup"])
+def test_a_claimed_grant_is_never_released_by_the_clean_up_of_a_client_that_left(
+    db_url: str, conn: Conn, first: str
+) -> None:
+    """Issue 15, finding 2: whichever of the retry's claim and the clean-up comes first, the other
+    sees it: the retry keeps the lock, or the lock is released and the retry gets a new grant."""
+    grant = acquire_keyed(conn, "w1", "anon/k1")
+
+    def claim(c: Conn) -> dict[str, Any]:
+        return acquire_keyed(c, "w1", "anon/k1")
+
+    def cleanup(c: Conn) -> bool:
+        released = c.execute("SELECT helix_release_unclaimed(%s, %s, NULL)", (grant["id"], grant["token"]))
+        return bool(released.fetchone()[0])  # type: ignore[index]
+
+    with psycopg.connect(db_url) as leader, psycopg.connect(db_url, autocommit=True) as follower:
+        if first == "claim":
+            again = claim(leader)
+            with waiting(conn, follower, lambda: cleanup(follower)) as outcome:
+                leader.commit()
+            assert again["id"] == grant["id"] and outcome["result"] is False
+            assert row(conn, grant["id"])["released_at"] is None, "the retry keeps its lock"
+        else:
+            assert cleanup(leader) is True
+            with waiting(conn, follower, lambda: claim(follower)) as outcome:
+                leader.commit()
+            fresh = outcome["result"]
+            assert fresh["id"] != grant["id"] and fresh["token"] != grant["token"]
+            assert row(conn, grant["id"])["release_reason"] == "released"
+
+
+def test_a_fencing_check_inside_a_writing_transaction_holds_off_the_reclaim(db_url: str, conn: Conn) -> None:
+    """Issue 15, finding 3: h1 checks token 1 in its storage transaction; its lease lapses; h2's
+    reclaim waits until h1's transaction ends, so h1's write cannot land after h2's."""
+    h1 = acquire(conn, holder="h1", ttl_ms=1000)
+    with psycopg.connect(db_url) as storage, psycopg.connect(db_url, autocommit=True) as h2:
+        current = storage.execute("SELECT helix_fencing_token_is_current('org', 'job', 1)").fetchone()
+        assert current == (True,)
+        time.sleep(1.1)  # the lease lapses on the database clock (moving it would wait on the share lock)
+        with waiting(conn, h2, lambda: acquire(h2, holder="h2")) as outcome:
+            storage.commit()  # h1's write lands before the reclaim, never after
+    assert outcome["result"]["fencing_token"] == 2
+    assert outcome["result"]["reclaimed_lock_id"] == h1["id"]
+
+
+def test_a_replay_names_what_it_reclaimed_after_retention_deleted_it(conn: Conn) -> None:
+    stale = acquire(conn, holder="crashed")
+    expire(conn, stale["id"])
+    grant = acquire_keyed(conn, "w1", "anon/k1")
+    assert grant["reclaimed_lock_id"] == stale["id"]
+    conn.execute("DELETE FROM helix_job_locks WHERE id = %s", (stale["id"],))  # retention
+    again = acquire_keyed(conn, "w1", "anon/k1")
+    assert (again["id"], again["reclaimed_lock_id"], again["reclaimed_holder"]) == (
+        grant["id"],
+        stale["id"],
+        "crashed",
+    )
+    assert again["reclaimed_expired_at"] == grant["reclaimed_expired_at"]
+
+
+def test_releasing_an_ended_lock_that_retention_is_deleting_is_410_not_404(db_url: str, conn: Conn) -> None:
+    """Issue 15, finding 5: retention holds the ended row; a release of it must learn it ended."""
+    lock = acquire(conn)
+    conn.execute("SELECT helix_release_job_lock(%s, %s, NULL)", (lock["id"], lock["token"]))
+    outcome: dict[str, Any] = {}
+    with psycopg.connect(db_url) as pruner, psycopg.connect(db_url, autocommit=True) as holder:
+        pruner.execute("SELECT id FROM helix_job_locks WHERE id = %s FOR UPDATE", (lock["id"],))
+
+        def release() -> None:
+            try:
+                holder.execute(
+                    "SELECT * FROM helix_release_job_lock(%s, %s, NULL)", (lock["id"], lock["token"])
+                )
+            except psycopg.Error as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=release)
+        thread.start()
+        time.sleep(0.3)  # the release runs into the row retention holds, or has its answer already
+        pruner.execute("DELETE FROM helix_job_locks WHERE id = %s", (lock["id"],))
+        pruner.commit()
+        thread.join(timeout=10)
+    assert outcome["error"].sqlstate == "HL003"

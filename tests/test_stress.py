@@ -25,7 +25,7 @@ def test_no_two_grants_of_one_key_overlap_under_racing_clients(db_url: str, tmp_
         run = load.run
 
     grants = database_history(db_url)
-    violations = check(grants, run.told, run.renewed, run.released)
+    violations = check(grants, run.told, run.renewed, run.released, run.release_attempts)
     assert violations == [], "\n".join(violations[:20])
     assert run.errors() == {}
     # The run exercised what it claims to: contention, crashes and reclaims, across the replicas.
