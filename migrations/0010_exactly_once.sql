@@ -12,10 +12,12 @@
 --    sees it. Either the retry got the lock and keeps it, or the lock was released and the retry
 --    got a fresh grant.
 --
--- 3. helix_fencing_token_is_current takes FOR SHARE on the live row: called inside the storage
---    layer's writing transaction, it holds off a reclaim (and the holder's own renewal and
---    release) until that transaction ends, so a stale holder's write cannot land after the next
---    holder's.
+-- 3. helix_fencing_token_is_current takes FOR KEY SHARE on the live row: called inside the
+--    storage layer's writing transaction, it holds off a reclaim (the next acquire's FOR UPDATE
+--    of the live row) and the holder's own release (FOR UPDATE too) until that transaction ends,
+--    so a stale holder's write cannot land after the next holder's. A renewal locks the row
+--    FOR NO KEY UPDATE, which a key share does not block: a long writing transaction does not
+--    cost its holder its heartbeat.
 --
 -- 4. A grant keeps what it reclaimed (lock id, holder, expiry) on its own row, so that a replay
 --    says so even after retention deleted the reclaimed row.
@@ -155,9 +157,12 @@ BEGIN
         WHERE v.id = v_id;
 END $$;
 
--- The lock row a token holder may change, locked FOR UPDATE; raises HL001, HL002 or HL003.
--- Read first without the lock: an ended lock never changes again (5 above).
-CREATE OR REPLACE FUNCTION helix_lock_for_holder(p_lock_id bigint, p_token text, p_organization_id text)
+-- The lock row a token holder may change, locked FOR UPDATE (to end it) or, for a renewal, FOR NO
+-- KEY UPDATE (3 above); raises HL001, HL002 or HL003. Read first without the lock: an ended lock
+-- never changes again (5 above).
+CREATE FUNCTION helix_lock_for_holder(
+    p_lock_id bigint, p_token text, p_organization_id text, p_renewal boolean
+)
 RETURNS helix_job_locks
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
@@ -173,12 +178,58 @@ BEGIN
         RAISE EXCEPTION 'token does not match lock %', p_lock_id USING ERRCODE = 'HL002';
     END IF;
     PERFORM helix_raise_if_ended(v_lock);
-    SELECT * INTO v_lock FROM helix_job_locks AS l WHERE l.id = p_lock_id FOR UPDATE;
+    IF p_renewal THEN
+        SELECT * INTO v_lock FROM helix_job_locks AS l WHERE l.id = p_lock_id FOR NO KEY UPDATE;
+    ELSE
+        SELECT * INTO v_lock FROM helix_job_locks AS l WHERE l.id = p_lock_id FOR UPDATE;
+    END IF;
     IF NOT FOUND THEN  -- only an ended lock is ever deleted: it ended, and retention took it
         RAISE EXCEPTION 'no lock %', p_lock_id USING ERRCODE = 'HL001';
     END IF;
     PERFORM helix_raise_if_ended(v_lock);  -- it ended while this call waited for it
     RETURN v_lock;
+END $$;
+
+CREATE OR REPLACE FUNCTION helix_lock_for_holder(p_lock_id bigint, p_token text, p_organization_id text)
+RETURNS helix_job_locks
+LANGUAGE sql VOLATILE AS $$
+    SELECT helix_lock_for_holder(p_lock_id, p_token, p_organization_id, false)
+$$;
+
+CREATE OR REPLACE FUNCTION helix_renew_job_lock(
+    p_lock_id bigint,
+    p_token text,
+    p_ttl_ms bigint,
+    p_organization_id text
+)
+RETURNS TABLE (
+    id bigint,
+    organization_id text,
+    job_type text,
+    holder text,
+    fencing_token bigint,
+    acquired_at timestamptz,
+    expires_at timestamptz,
+    released_at timestamptz,
+    release_reason text,
+    state text,
+    ttl_remaining_ms bigint,
+    metadata jsonb,
+    lapsed boolean
+)
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path FROM CURRENT AS $$
+#variable_conflict use_column
+DECLARE
+    v_lease interval := helix_lease(p_ttl_ms);
+    v_lock helix_job_locks%ROWTYPE := helix_lock_for_holder(p_lock_id, p_token, p_organization_id, true);
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    -- A lapsed lease nobody reclaimed may be renewed: no one else can have held the lock.
+    UPDATE helix_job_locks SET expires_at = v_now + v_lease WHERE id = p_lock_id;
+    RETURN QUERY
+        SELECT v.*, v_lock.expires_at <= v_now
+        FROM helix_job_lock_views AS v
+        WHERE v.id = p_lock_id;
 END $$;
 
 -- A waiting acquire's grant, released because its client left, unless a replay claimed it first
@@ -198,7 +249,7 @@ BEGIN
     RETURN true;
 END $$;
 
--- Inside the storage layer's transaction: holds the live row (FOR SHARE) until it ends (3 above).
+-- Inside the storage layer's transaction: holds the live row (FOR KEY SHARE) until it ends (3 above).
 CREATE OR REPLACE FUNCTION helix_fencing_token_is_current(
     p_organization_id text,
     p_job_type text,
@@ -213,7 +264,7 @@ BEGIN
       AND l.released_at IS NULL
       AND l.expires_at > clock_timestamp()
       AND l.fencing_token = p_fencing_token
-    FOR SHARE;
+    FOR KEY SHARE;
     RETURN FOUND;
 END $$;
 

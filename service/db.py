@@ -137,13 +137,16 @@ def create_pool(settings: Settings) -> Pool:
     """A closed pool; the app's lifespan opens it.
 
     Direct (no direct_database_url): statements are prepared, and the session is configured once
-    per connection. Through a transaction pooler: nothing is prepared and nothing is configured
-    for the session, since the next transaction may run on another server connection;
-    Database sends the settings with every statement instead.
+    per connection. Through a transaction pooler: nothing is prepared, and the session gets only
+    what the pooler keeps per client (DateStyle, TimeZone), since the next transaction may run on
+    another server connection; Database sends the other settings with every statement.
     """
 
     async def configure(conn: psycopg.AsyncConnection[DictRow]) -> None:
         await configure_session(conn, settings.statement_timeout_ms)
+
+    async def configure_pooled(conn: psycopg.AsyncConnection[DictRow]) -> None:
+        await conn.execute(queries.CONFIGURE_POOLED_SESSION)
 
     pooled: dict[str, Any] = {"prepare_threshold": None, "cursor_factory": psycopg.AsyncClientCursor}
     return Pool(
@@ -158,7 +161,7 @@ def create_pool(settings: Settings) -> Pool:
         # Give up on an attempt after a few seconds instead: the next request that finds the
         # pool empty starts a fresh one at once.
         reconnect_timeout=RECONNECT_GIVE_UP_SECONDS,
-        configure=None if settings.through_pooler else configure,
+        configure=configure_pooled if settings.through_pooler else configure,
         kwargs={
             **CONNECTION_KWARGS,
             "row_factory": dict_row,

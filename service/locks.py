@@ -101,9 +101,12 @@ def _decode_cursor(cursor: str, state: State | None, live: bool) -> list[Any]:
         if live and _is_text(first) and _is_text(second):
             return [first, second]
         if not live and isinstance(second, int) and not isinstance(second, bool) and 0 < second < 2**63:
-            return [datetime.fromisoformat(first), second]
+            moment = datetime.fromisoformat(first)
+            if moment.tzinfo is None:
+                raise ValueError("cursor time without a time zone")
+            return [moment.astimezone(UTC), second]
         raise ValueError("cursor key of the wrong shape")
-    except (ValueError, KeyError, TypeError, RecursionError, binascii.Error) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError, OverflowError, binascii.Error) as exc:
         raise InvalidArgument("cursor", "not a cursor of this listing") from exc
 
 

@@ -114,8 +114,11 @@ def _who(conn: psycopg.Connection[Any]) -> str:
 
 
 def _pin_schema(conn: psycopg.Connection[Any], pending: list[str]) -> None:
-    """Migrate into the first schema of the role's search_path, and nowhere else: the functions
-    keep this search_path (migration 0009), so that a caller's cannot change what they use."""
+    """Migrate into the schema that holds the installation (its migrations table), or, for a new
+    one, the first schema of the role's search_path; and nowhere else. The functions keep this
+    search_path (migration 0009), so that a caller's cannot change what they use. (A schema that
+    appears ahead of the installation on the search_path, one named after the role say, must not
+    get a second, empty copy of it.)"""
     row = conn.execute(queries.MIGRATION_SCHEMA).fetchone()
     assert row is not None
     schema, can_create = row

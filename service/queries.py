@@ -15,12 +15,14 @@ from psycopg import sql
 # - the service's own statement_timeout, and no lock_timeout, idle_in_transaction_session_timeout,
 #   idle_session_timeout or transaction_timeout: waiting on a key's row lock is how contention
 #   is ordered, and the statement deadline alone bounds it;
-# - times in UTC (the JSON our functions put in DETAIL).
+# - times in UTC (the JSON our functions put in DETAIL), written as ISO 8601 (psycopg reads no
+#   other DateStyle).
 # Per connection, once, on a direct connection; only the settings this server knows.
 CONFIGURE_SESSION = """
 SELECT set_config(wanted.name, wanted.value, false)
 FROM (VALUES
     ('TimeZone', 'UTC'),
+    ('DateStyle', 'ISO'),
     ('default_transaction_isolation', 'read committed'),
     ('statement_timeout', %(statement_timeout_ms)s),
     ('lock_timeout', '0'),
@@ -41,6 +43,10 @@ SELECT set_config('TimeZone', 'UTC', true),
        set_config('lock_timeout', '0', true),
        set_config('idle_in_transaction_session_timeout', '0', true);
 """
+# Through a pooler, per connection: the two settings a pooler keeps for each client whatever
+# server connection it lends (PgBouncer tracks DateStyle and TimeZone), since psycopg reads times
+# by the DateStyle of the session, not of one transaction.
+CONFIGURE_POOLED_SESSION = "SET DateStyle TO 'ISO'; SET TimeZone TO 'UTC'"
 # transaction_timeout exists from PostgreSQL 17 on.
 IN_TRANSACTION_17 = """SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
 SELECT set_config('TimeZone', 'UTC', true),
@@ -187,7 +193,19 @@ CREATE TABLE IF NOT EXISTS helix_schema_migrations (
 )
 """
 # The schema migrations go into: the first schema on the role's search_path that exists.
-MIGRATION_SCHEMA = "SELECT current_schema(), has_schema_privilege(current_schema(), 'CREATE')"
+# Where an installation's migrations table is, if the search_path reaches one; else the first
+# schema on the search_path that exists.
+MIGRATION_SCHEMA = """
+SELECT s.name, has_schema_privilege(s.name, 'CREATE')
+FROM (
+    SELECT coalesce(
+        (SELECT n.nspname
+         FROM pg_catalog.pg_class AS c JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+         WHERE c.oid = to_regclass('helix_schema_migrations')),
+        current_schema()
+    ) AS name
+) AS s
+"""
 PIN_SEARCH_PATH = "SELECT set_config('search_path', quote_ident(%(schema)s) || ', pg_temp', false)"
 MIGRATIONS_TABLE_EXISTS = "SELECT to_regclass('helix_schema_migrations') IS NOT NULL AS exists"
 APPLIED_MIGRATIONS = "SELECT name, checksum FROM helix_schema_migrations"

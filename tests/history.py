@@ -61,6 +61,7 @@ class Renewed:
 def database_history(db_url: str) -> list[Grant]:
     """Every grant the database holds, as the checker reads it."""
     with psycopg.connect(db_url) as conn:
+        conn.execute("SET DateStyle = ISO")  # psycopg reads no other, whatever the database's default
         rows = conn.execute(
             "SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
             " released_at, release_reason FROM helix_job_locks"

@@ -342,6 +342,11 @@ async def test_list_filters_by_state_and_pages_with_a_cursor(client: httpx.Async
     assert await all_pages(organization_id="other") == []
 
 
+def history_cursor(moment: str) -> str:
+    raw = json.dumps({"s": "released", "k": [moment, 1]}).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -352,6 +357,8 @@ async def test_list_filters_by_state_and_pages_with_a_cursor(client: httpx.Async
         {"cursor": "garbage!"},
         {"cursor": "eyJzIjpudWxsLCJrIjpbMSwyXX0"},  # {"s":null,"k":[1,2]}: not a key of ours
         {"cursor": base64.urlsafe_b64encode(b"[" * 1500).decode()},  # too deep to parse
+        {"cursor": history_cursor("2026-11-30T02:44:41"), "state": "released"},  # no time zone
+        {"cursor": history_cursor("0001-01-01T00:00:00+14:00"), "state": "released"},  # before year 1 in UTC
         {"organization_id": "no spaces"},
     ],
 )
@@ -360,6 +367,15 @@ async def test_list_rejects_bad_parameters_with_422(
 ) -> None:
     problem = assert_problem(await client.get("/v1/locks", params=params), 422)
     assert problem["errors"][0]["field"] == next(iter(params))
+
+
+async def test_a_history_cursor_in_any_time_zone_python_reads_is_read(client: httpx.AsyncClient) -> None:
+    """PostgreSQL takes offsets up to 15:59, Python up to 23:59: the cursor's time goes in UTC
+    (through a pooler it is written into the statement as text)."""
+    answer = await client.get(
+        "/v1/locks", params={"state": "released", "cursor": history_cursor("2026-11-30T02:44:41+23:59")}
+    )
+    assert answer.status_code == 200, answer.text
 
 
 async def test_a_cursor_only_fits_its_own_listing(client: httpx.AsyncClient) -> None:

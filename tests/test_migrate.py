@@ -70,3 +70,24 @@ def test_grants_made_before_fencing_get_tokens_in_grant_order(empty_db_url: str)
         )
         next_grant = conn.execute("SELECT fencing_token FROM helix_acquire_job_lock('o', 'j', 'd', 1000)")
         assert next_grant.fetchone() == (3,), "the counter carries on from the backfilled tokens"
+
+
+def test_a_schema_ahead_of_the_installation_on_the_search_path_gets_no_second_copy(
+    empty_db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Installed in public; later a schema named after the role appears, first on the default
+    search_path ("$user", public). The next migrations go where the installation is."""
+    everything = migrate.load()
+    monkeypatch.setattr(migrate, "load", lambda: everything[:-2])
+    migrate.migrate(empty_db_url)
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        conn.execute("SELECT set_config('search_path', '\"$user\", public', false)")
+        conn.execute(psycopg.sql.SQL("CREATE SCHEMA {}").format(psycopg.sql.Identifier(conn.info.user)))
+    monkeypatch.setattr(migrate, "load", lambda: everything)
+    assert migrate.migrate(empty_db_url) == [m.name for m in everything[-2:]]
+    with psycopg.connect(empty_db_url) as conn:
+        where = conn.execute(
+            "SELECT DISTINCT n.nspname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE c.relname LIKE 'helix%'"
+        ).fetchall()
+    assert where == [("public",)]

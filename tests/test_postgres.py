@@ -40,6 +40,8 @@ KEY = {"organization_id": "acme", "job_type": "hot"}
 DEFAULTS = {
     "repeatable-read": {"default_transaction_isolation": "repeatable read"},
     "serializable": {"default_transaction_isolation": "serializable"},
+    # Times written otherwise: the answers still carry RFC 3339 UTC times.
+    "formats": {"DateStyle": "SQL, DMY", "TimeZone": "Asia/Kathmandu", "IntervalStyle": "sql_standard"},
     # A DBA's guard rails, far below how long a contended acquire waits for the key's row lock.
     "dba-timeouts": {
         "lock_timeout": "20ms",
@@ -102,6 +104,7 @@ async def race(http: httpx.AsyncClient, clients: int, seconds: float) -> tuple[C
 
 
 def _at(lock: dict[str, Any]) -> datetime:
+    assert lock["acquired_at"].endswith("Z") and lock["expires_at"].endswith("Z"), lock
     return datetime.fromisoformat(lock["acquired_at"])
 
 

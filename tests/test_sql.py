@@ -412,3 +412,28 @@ def test_releasing_an_ended_lock_that_retention_is_deleting_is_410_not_404(db_ur
         pruner.commit()
         thread.join(timeout=10)
     assert outcome["error"].sqlstate == "HL003"
+
+
+def test_a_writing_transaction_holds_off_the_holders_release_but_not_its_renewal(
+    db_url: str, conn: Conn
+) -> None:
+    """The fencing check's key share lock: a long writing transaction does not cost the holder its
+    heartbeat, but the holder's release waits for the write (so its successor's write comes after)."""
+    h1 = acquire(conn, holder="h1")
+    with psycopg.connect(db_url) as storage, psycopg.connect(db_url, autocommit=True) as holder:
+        assert storage.execute("SELECT helix_fencing_token_is_current('org', 'job', 1)").fetchone() == (True,)
+        holder.execute("SET statement_timeout = '3s'")
+        renewed = holder.execute(
+            "SELECT lapsed FROM helix_renew_job_lock(%s, %s, 30000, NULL)", (h1["id"], h1["token"])
+        ).fetchone()
+        assert renewed == (False,), "renewed while the writing transaction is open"
+        with waiting(
+            conn,
+            holder,
+            lambda: holder.execute(
+                "SELECT * FROM helix_release_job_lock(%s, %s, NULL)", (h1["id"], h1["token"])
+            ).fetchall(),
+        ) as outcome:
+            storage.commit()
+    assert "error" not in outcome
+    assert row(conn, h1["id"])["release_reason"] == "released"
