@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from service import embedded, keys, listener, logs, migrate, runner, telemetry
 from service.client import ApiError, HelixError, LockClient, LockHeld, LockLost
 from service.schemas import IDENTIFIER_PATTERN
-from service.settings import Settings
+from service.settings import EdgeSettings, Settings
 
 logger = logging.getLogger("helix_locks")
 
@@ -74,10 +74,13 @@ def serve(args: argparse.Namespace) -> int:
         os.environ["DATABASE_URL"] = url
         os.environ["HELIX_LOCKS_ALLOW_ANONYMOUS"] = str(loopback or args.insecure).lower()
         settings = Settings()  # type: ignore[call-arg]  # from the environment, as the workers read it
+        EdgeSettings()  # a bad bound is said now, not by every worker
         with _metrics_directory(args.workers):
             uvicorn.run(
                 "service.app:create_app",
                 factory=True,
+                # uvicorn's httptools protocol, with bounds on a request's size and time.
+                http="service.edge:GuardedHttpToolsProtocol",
                 host=args.host,
                 port=args.port,
                 workers=args.workers,

@@ -61,3 +61,19 @@ class Settings(BaseSettings):
         if self.pool_max_size < self.pool_min_size:
             raise ValueError("pool_max_size must be at least pool_min_size")
         return self
+
+
+class EdgeSettings(BaseSettings):
+    """The HTTP server's bounds on clients (service/edge.py); each can be set as HELIX_LOCKS_<NAME>."""
+
+    model_config = SettingsConfigDict(env_prefix="HELIX_LOCKS_", extra="ignore", frozen=True)
+
+    # A request's line and headers together; nginx allows 8 KiB a line and 32 KiB in all.
+    max_head_bytes: int = Field(default=32 * 1024, ge=1024, le=1024 * 1024)
+    # From a connection's opening (or its last answer) to its request's complete head.
+    head_timeout_seconds: float = Field(default=10.0, gt=0)
+    # From a request's head to the end of its body.
+    body_timeout_seconds: float = Field(default=10.0, gt=0)
+    # Connections open at once in one worker process; more are closed as they come. The process's
+    # nofile limit must be above it (plus the pool's connections and a few files).
+    max_connections: int = Field(default=4096, ge=1)
