@@ -25,6 +25,7 @@ from service.errors import (
     LockError,
     LockHeld,
     LockNotFound,
+    OrganizationWaitersFull,
     SchemaNotReady,
     ShuttingDown,
     TokenMismatch,
@@ -140,6 +141,11 @@ PROBLEM_DOCS: dict[str, tuple[str, JSONResponse]] = {
         "The database schema lacks this build's migrations.",
         problems.from_error(SchemaNotReady("migrations not applied: 0004_api_keys")),
     ),
+    "too-many-waiters-in-organization": (
+        "wait_seconds: this organization already has as many acquires waiting in this service process as"
+        " one may have (HELIX_LOCKS_MAX_WAITERS_PER_ORGANIZATION); try again after Retry-After.",
+        problems.from_error(OrganizationWaitersFull(1000)),
+    ),
     "service-stopping": (
         "The service was told to stop, and this request did not finish within the grace time.",
         problems.from_error(ShuttingDown()),
@@ -187,6 +193,7 @@ router = APIRouter(prefix="/v1", tags=["locks"])
             "lock-held",
             "body-too-large",
             "invalid-request",
+            "too-many-waiters-in-organization",
             "database-unavailable",
         ),
     },
@@ -257,12 +264,20 @@ async def _wait_for(
         # handed this grant meanwhile: then it is the retry's to keep.
         await locks.release_unclaimed(caller, grant.lock.id, grant.token)
 
+    keys: KeyRing = request.app.state.keys
+    authorization = request.headers.get("authorization")
+
+    async def attempt_if_still_allowed() -> Grant:
+        # A key revoked while its request waits is refused before the next attempt, not granted.
+        await keys.authenticate(authorization)
+        return await attempt()
+
     watcher = asyncio.create_task(watch())
     try:
         return await waiters.acquire(
             (body.organization_id, body.job_type),
             body.wait_seconds,
-            attempt,
+            attempt_if_still_allowed,
             locks.remaining_ms,
             release,
             gone,

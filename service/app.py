@@ -199,7 +199,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         db = Database(pool, settings)
         app.state.locks = Locks(db)
         app.state.keys = keys = KeyRing(db, settings.allow_anonymous)
-        app.state.waiters = waiters = Waiters(settings.max_waiters)
+        app.state.waiters = waiters = Waiters(settings.max_waiters, settings.max_waiters_per_organization)
 
         async def probe(payload: str) -> None:
             await db.fetch_all(queries.PROBE, {"payload": payload})

@@ -84,6 +84,13 @@ class TooManyWaiters(LockError):
 
 
 @dataclass
+class OrganizationWaitersFull(LockError):
+    """This process already has as many waiting acquires of the organization as one may have."""
+
+    limit: int
+
+
+@dataclass
 class WaitInterrupted(LockError):
     """A waiting acquire ended without an answer: the client left, or the service is stopping."""
 

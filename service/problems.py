@@ -18,6 +18,7 @@ from service.errors import (
     LockError,
     LockHeld,
     LockNotFound,
+    OrganizationWaitersFull,
     SchemaNotReady,
     ShuttingDown,
     TokenMismatch,
@@ -128,6 +129,13 @@ PROBLEMS: Mapping[type[LockError], Callable[[Any], JSONResponse]] = {
         "too-many-waiters",
         "Too many waiters",
         f"This service process already has {exc.limit} acquires waiting; try again.",
+        headers={"Retry-After": "1"},
+    ),
+    OrganizationWaitersFull: lambda exc: problem(
+        429,
+        "too-many-waiters-in-organization",
+        "Too many waiters in this organization",
+        f"This organization already has {exc.limit} acquires waiting in this service process; try again.",
         headers={"Retry-After": "1"},
     ),
     WaitInterrupted: lambda exc: problem(

@@ -40,6 +40,8 @@ class Settings(BaseSettings):
     metrics_organization_label: bool = False
     # Acquires waiting for a held lock (wait_seconds) in one process; beyond it, 503.
     max_waiters: int = Field(default=10_000, ge=0)
+    # Of those, one organization's at most; beyond it, 429 for that organization alone.
+    max_waiters_per_organization: int = Field(default=1_000, ge=0)
 
     @property
     def through_pooler(self) -> bool:

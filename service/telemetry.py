@@ -44,6 +44,11 @@ _GOOD_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _RESULTS = {"lock-held": "conflict", "lock-ended": "gone"}
 # Which route (by its function's name) counts in which counter.
 _OPERATIONS = {"acquire": "acquisitions", "release": "releases", "renew": "renewals"}
+# Methods with a series of their own; any other is counted as "other", so that made-up methods
+# cannot add series without end.
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+# A logged path is cut to this many characters (a path may be as long as the request's head).
+LOGGED_PATH_CHARS = 512
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -131,6 +136,7 @@ class Metrics:
     def answered(self, name: str | None, path: str | None, method: str, status: int, seconds: float) -> None:
         """Count one finished request, from the fields the route and the error handlers bound."""
         fields = logs.request_fields()
+        method = method if method in _METHODS else "other"
         self.requests.labels(method, path or "unmatched", str(status)).observe(seconds)
         problem = fields.get("problem")
         organization = self.organization(fields)
@@ -202,6 +208,12 @@ def forget_this_worker() -> None:
             multiprocess.mark_process_dead(os.getpid(), directory)  # type: ignore[no-untyped-call]
 
 
+def _logged(path: str) -> str:
+    if len(path) <= LOGGED_PATH_CHARS:
+        return path
+    return f"{path[:LOGGED_PATH_CHARS]}... ({len(path)} characters)"
+
+
 def request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id":
@@ -261,8 +273,8 @@ class Observe:
                         logging.INFO if status < 500 else logging.WARNING if status != 500 else logging.ERROR,
                         "request",
                         extra={
-                            "method": scope["method"],
-                            "path": scope["path"],
+                            "method": scope["method"][:16],
+                            "path": _logged(scope["path"]),
                             "status": status,
                             "duration_ms": round(seconds * 1000, 2),
                         },

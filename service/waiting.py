@@ -18,7 +18,13 @@ from typing import Any
 
 import psycopg
 
-from service.errors import DatabaseUnavailable, LockHeld, TooManyWaiters, WaitInterrupted
+from service.errors import (
+    DatabaseUnavailable,
+    LockHeld,
+    OrganizationWaitersFull,
+    TooManyWaiters,
+    WaitInterrupted,
+)
 from service.locks import Grant
 
 Key = tuple[str, str]
@@ -38,11 +44,13 @@ class _Queue:
 class Waiters:
     """Every waiting acquire of this process, by key."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, per_organization: int) -> None:
         self.limit = limit
+        self.per_organization = per_organization
         self.count = 0
         self.closing = False
         self._queues: dict[Key, _Queue] = {}
+        self._by_organization: dict[str, int] = {}  # waiting acquires, organizations with any
 
     async def released(self, conn: psycopg.AsyncConnection[Any], payloads: list[str]) -> None:
         """Listener callback: wake the waiters of each key that ended (every key after a reconnect)."""
@@ -77,12 +85,16 @@ class Waiters:
         once, through `release`, and WaitInterrupted is raised. Inside `announced()` the end of
         the key's lock is announced, which releases are not otherwise.
         """
+        organization = key[0]
+        if self._by_organization.get(organization, 0) >= self.per_organization:
+            raise OrganizationWaitersFull(self.per_organization)  # checked first: its own fault
         if self.count >= self.limit:
             raise TooManyWaiters(self.limit)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_seconds
         queue = self._queues.setdefault(key, _Queue())
         self.count += 1
+        self._by_organization[organization] = self._by_organization.get(organization, 0) + 1
         queue.waiters += 1
         try:
             # If this request is cancelled just as its turn comes, the turn is handed on.
@@ -98,6 +110,9 @@ class Waiters:
             return await self._last_try(attempt, release, gone)
         finally:
             self.count -= 1
+            self._by_organization[organization] -= 1
+            if not self._by_organization[organization]:
+                del self._by_organization[organization]
             queue.waiters -= 1
             if queue.waiters == 0:
                 del self._queues[key]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 import secrets
@@ -240,3 +241,39 @@ async def test_an_idempotency_key_replays_only_to_the_same_api_key(db_url: str, 
         assert other.status_code == 409
         again = await c.post("/v1/locks", json=body, headers={**bearer(api_keys.own), "Idempotency-Key": "k"})
         assert again.json()["token"] == first.json()["token"]
+
+
+async def test_a_key_revoked_while_its_acquire_waits_gets_no_grant(
+    app_client: httpx.AsyncClient, api_keys: Keys, db_url: str
+) -> None:
+    """The key is checked again before each attempt of a waiting acquire: revoked meanwhile, the
+    waiter is refused (401) when the lock comes free, not granted it."""
+    body = {"organization_id": "acme", "job_type": "report", "holder": "h", "ttl_seconds": 30}
+    held = await app_client.post("/v1/locks", json=body, headers=bearer(api_keys.own))
+    assert held.status_code == 201
+    waiting_key = keys.create(db_url, "acme")
+    for _ in range(100):  # the service hears of the new key (NOTIFY)
+        if (await app_client.get("/v1/locks", headers=bearer(waiting_key))).status_code == 200:
+            break
+        await anyio.sleep(0.02)
+    waiter = asyncio.create_task(
+        app_client.post(
+            "/v1/locks", json={**body, "holder": "w", "wait_seconds": 10}, headers=bearer(waiting_key)
+        )
+    )
+    with psycopg.connect(db_url) as conn:
+        for _ in range(200):  # until it waits: its key is known and its wait registered
+            if conn.execute("SELECT count(*) FROM helix_lock_waiters").fetchone() == (1,):
+                break
+            await anyio.sleep(0.02)
+    assert not waiter.done(), (await waiter).text
+    keys.revoke(db_url, keys.key_id(waiting_key) or "")
+    await anyio.sleep(0.3)  # every process hears of it (NOTIFY)
+    gone = await app_client.delete(
+        f"/v1/locks/{held.json()['id']}", headers={**bearer(api_keys.own), "Lock-Token": held.json()["token"]}
+    )
+    assert gone.status_code == 204
+    answer = await waiter
+    assert answer.status_code == 401, answer.text
+    free = await app_client.post("/v1/locks", json=body, headers=bearer(api_keys.own))
+    assert free.status_code == 201, "nobody holds the lock for the revoked key"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -161,3 +162,25 @@ def test_every_worker_is_counted_whichever_answers_the_scrape(db_url: str, tmp_p
             found = samples(httpx.get(f"{url}/metrics").text)
             assert value(found, "helix_locks_acquisitions_total", organization="", result="granted") == 30
             assert value(found, "helix_locks_locks", state="held") == 30
+
+
+async def test_made_up_methods_share_one_series_and_long_paths_are_cut_in_the_log(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="helix_locks.requests")
+    for n in range(35):  # as many methods as HTTP parsers know (PROPFIND, MKCOL, ...), made up here
+        await client.request(f"BREW{n}", "/v1/locks")
+    await client.get("/v1/locks/" + "x" * 60_000)
+    found = samples((await client.get("/metrics")).text)
+    methods = {
+        dict(labels)["method"] for name, labels in found if name.startswith("helix_locks_http_request")
+    }
+    assert methods <= {"GET", "POST", "DELETE", "other"}, methods
+    other = sum(
+        v
+        for (name, labels), v in found.items()
+        if name.endswith("_count") and dict(labels).get("method") == "other"
+    )
+    assert other == 35
+    logged = [record for record in caplog.records if record.getMessage() == "request"]
+    assert logged and max(len(str(getattr(record, "path", ""))) for record in logged) < 1024

@@ -287,8 +287,32 @@ async def test_a_registration_that_fails_leaves_the_waiter_on_its_timer() -> Non
         yield
 
     gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    waiters = Waiters(10)
+    waiters = Waiters(10, 10)
     result = await waiters.acquire(("acme", "report"), 5, attempt, remaining_ms, release, gone, announced)
     assert result is granted
     assert len(attempts) == 3
     assert attempts[1] - attempts[0] >= 0.19, "waited for the holder's expiry, not retried at once"
+
+
+async def test_one_organization_filling_its_waiting_share_leaves_the_others_theirs(db_url: str) -> None:
+    """With room for 50 waiters in the process and 10 per organization, acme's 11th waiter gets
+    429 with Retry-After, and globex still waits as usual."""
+    settings = ROUTE.settings(db_url, allow_anonymous=True, max_waiters=50, max_waiters_per_organization=10)
+    app = create_app(settings)
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as c,
+    ):
+        for org in ("acme", "globex"):
+            held = await c.post("/v1/locks", json={**body("holder"), "organization_id": org})
+            assert held.status_code == 201
+        waiting = [asyncio.create_task(c.post("/v1/locks", json=body(f"w{n}", wait=2))) for n in range(10)]
+        await asyncio.sleep(0.3)
+        refused = await c.post("/v1/locks", json=body("w11", wait=2))
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["type"] == "urn:helix-locks:problem:too-many-waiters-in-organization"
+        other = await c.post("/v1/locks", json={**body("g1", wait=0.5), "organization_id": "globex"})
+        assert other.status_code == 409, "globex waited its half second, as any waiter"
+        assert [answer.status_code for answer in await asyncio.gather(*waiting)] == [409] * 10
