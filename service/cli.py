@@ -159,7 +159,20 @@ def keys_revoke(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> LockClient:
-    return LockClient(args.url, args.api_key)
+    return LockClient(args.url, _api_key(args))
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, or the first line of --api-key-file (which `ps` does not show), else None: the
+    client then reads HELIX_LOCKS_API_KEY."""
+    path: Path | None = args.api_key_file
+    if path is None:
+        key: str | None = args.api_key
+        return key
+    try:
+        return path.read_text().strip().splitlines()[0].strip()
+    except (OSError, IndexError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"helix-locks: cannot read an API key from {path}: {exc}") from exc
 
 
 def _print_json(value: object) -> None:
@@ -201,7 +214,9 @@ def run_command(args: argparse.Namespace) -> int:
         print("helix-locks run: no command given (helix-locks run ... -- COMMAND [ARGS...])", file=sys.stderr)
         return 2
     with _client(args) as client:
-        return runner.run(client, args.org, args.job_type, args.ttl, args.wait, command)
+        return runner.run(
+            client, args.org, args.job_type, args.ttl, args.wait, command, pass_api_key=args.pass_api_key
+        )
 
 
 def parser() -> argparse.ArgumentParser:
@@ -251,7 +266,13 @@ def parser() -> argparse.ArgumentParser:
         command.add_argument(
             "--url", default=None, help="the service (default: $HELIX_LOCKS_URL or http://127.0.0.1:8080)"
         )
-        command.add_argument("--api-key", default=None, help="API key (default: $HELIX_LOCKS_API_KEY)")
+        key = command.add_mutually_exclusive_group()
+        key.add_argument(
+            "--api-key", default=None, help="API key (default: $HELIX_LOCKS_API_KEY); `ps` shows it"
+        )
+        key.add_argument(
+            "--api-key-file", type=Path, default=None, help="read the API key from this file's first line"
+        )
 
     def lock_options(command: argparse.ArgumentParser, ttl_help: str) -> None:
         command.add_argument("--org", required=True, help="organization id")
@@ -269,6 +290,11 @@ def parser() -> argparse.ArgumentParser:
     )
     lock_options(run_cmd, "lease in seconds, renewed every ttl/3 (default 30)")
     client_options(run_cmd)
+    run_cmd.add_argument(
+        "--pass-api-key",
+        action="store_true",
+        help="leave HELIX_LOCKS_API_KEY in COMMAND's environment (by default it is taken out)",
+    )
     run_cmd.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")
     run_cmd.set_defaults(handler=run_command)
 

@@ -24,6 +24,7 @@ EXIT_HELD = 75  # EX_TEMPFAIL: try again later
 EXIT_LOST = 76  # the lock was lost while the command ran; the command was stopped
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 POLL_SECONDS = 0.05
+API_KEY_VARIABLE = "HELIX_LOCKS_API_KEY"
 
 
 def say(message: str) -> None:
@@ -63,12 +64,20 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def run(
-    client: LockClient, organization_id: str, job_type: str, ttl: float, wait: float, command: list[str]
+    client: LockClient,
+    organization_id: str,
+    job_type: str,
+    ttl: float,
+    wait: float,
+    command: list[str],
+    pass_api_key: bool = False,
 ) -> int:
     # Until the command exists, a signal ends `run` itself (with 128+N, as the command would).
     previous = {signum: signal.signal(signum, _interrupt) for signum in FORWARDED}
+    # The command gets no API key of ours unless asked: it holds the lock, not the key.
+    env = {k: v for k, v in os.environ.items() if pass_api_key or k != API_KEY_VARIABLE}
     try:
-        return _run(client, organization_id, job_type, ttl, wait, command)
+        return _run(client, organization_id, job_type, ttl, wait, command, env)
     except Interrupted as interrupted:
         say(f"interrupted by signal {interrupted.signum} before the command started")
         return 128 + interrupted.signum
@@ -78,7 +87,13 @@ def run(
 
 
 def _run(
-    client: LockClient, organization_id: str, job_type: str, ttl: float, wait: float, command: list[str]
+    client: LockClient,
+    organization_id: str,
+    job_type: str,
+    ttl: float,
+    wait: float,
+    command: list[str],
+    env: dict[str, str],
 ) -> int:
     try:
         grant = client.acquire(organization_id, job_type, ttl, wait=wait)
@@ -98,7 +113,7 @@ def _run(
     renewer = threading.Thread(target=client.keep_alive, args=(lease, stop), daemon=True)
     renewer.start()
     try:
-        process = subprocess.Popen(command, start_new_session=True)
+        process = subprocess.Popen(command, start_new_session=True, env=env)
     except OSError as exc:
         say(f"cannot run {command[0]}: {exc}")
         stop.set()

@@ -239,3 +239,46 @@ def test_run_interrupted_while_waiting_for_the_lock_exits_128_plus_the_signal(
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=10) == 128 + signal.SIGTERM
         assert not marker.exists()
+
+
+def test_run_reads_its_key_from_a_file_and_keeps_it_from_the_command(db_url: str, tmp_path: Path) -> None:
+    """--api-key would show in `ps`: --api-key-file does not. And the command gets the lock, not
+    the key: HELIX_LOCKS_API_KEY is taken out of its environment unless --pass-api-key."""
+    from service import keys
+
+    key = keys.create(db_url, "acme")
+    key_file = tmp_path / "key"
+    key_file.write_text(key + "\n")
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        seen = tmp_path / "seen"
+        show = f'echo "${{HELIX_LOCKS_API_KEY:-none}}" >> {seen}'
+        base = ("--org", "acme", "--job-type", "secret", "--api-key-file", str(key_file))
+        assert helix_run(url, *base, "--", "sh", "-c", show).wait(timeout=30) == 0
+        os.environ["HELIX_LOCKS_API_KEY"] = key
+        try:
+            assert (
+                helix_run(url, "--org", "acme", "--job-type", "secret", "--", "sh", "-c", show).wait(
+                    timeout=30
+                )
+                == 0
+            )
+            assert helix_run(url, *base, "--pass-api-key", "--", "sh", "-c", show).wait(timeout=30) == 0
+        finally:
+            del os.environ["HELIX_LOCKS_API_KEY"]
+        wrong = tmp_path / "empty"
+        wrong.write_text("")
+        refused = helix_run(
+            url,
+            "--org",
+            "acme",
+            "--job-type",
+            "secret",
+            "--api-key-file",
+            str(wrong),
+            "--",
+            "true",
+            stderr=subprocess.PIPE,
+        )
+        _, err = refused.communicate(timeout=30)
+    assert seen.read_text().split() == ["none", "none", key]
+    assert refused.returncode != 0 and "cannot read an API key" in err and "Traceback" not in err
