@@ -101,12 +101,17 @@ def migrate(conninfo: str) -> list[str]:
     return done
 
 
+def _missing(applied: dict[str, str]) -> list[str]:
+    """This build's migrations not among those applied; MigrationError if one was changed."""
+    return [m.name for m in load() if not _check(m, applied)]
+
+
 def _pending(conn: psycopg.Connection[Any]) -> list[str]:
     """This build's migrations that the database lacks; MigrationError if one was changed."""
     applied: dict[str, str] = {}
     if conn.execute(queries.MIGRATIONS_TABLE_EXISTS).fetchone() == (True,):
         applied = {name: checksum for name, checksum in conn.execute(queries.APPLIED_MIGRATIONS)}
-    return [m.name for m in load() if not _check(m, applied)]
+    return _missing(applied)
 
 
 def _who(conn: psycopg.Connection[Any]) -> str:
@@ -143,7 +148,7 @@ async def check_ready(db: Database) -> None:
         rows = await db.fetch_all(queries.APPLIED_MIGRATIONS, {})
         applied = {row["name"]: row["checksum"] for row in rows}
     try:
-        missing = [m.name for m in load() if not _check(m, applied)]
+        missing = _missing(applied)
     except MigrationError as exc:
         raise SchemaNotReady(str(exc)) from exc
     if missing:

@@ -33,28 +33,23 @@ FROM (VALUES
 WHERE wanted.name IN (SELECT s.name FROM pg_catalog.pg_settings AS s)
 """
 
-# Through a transaction pooler, where session settings do not last: the same settings for one
-# transaction, sent before each statement in the same simple query (one round trip; a statement
-# that fails rolls the whole transaction back, so nothing is left to clean up). SET TRANSACTION
-# must come first, before anything takes a snapshot.
-IN_TRANSACTION = """SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
-SELECT set_config('TimeZone', 'UTC', true),
-       set_config('statement_timeout', %(helix_statement_timeout_ms)s, true),
-       set_config('lock_timeout', '0', true),
-       set_config('idle_in_transaction_session_timeout', '0', true);
-"""
 # Through a pooler, per connection: the two settings a pooler keeps for each client whatever
 # server connection it lends (PgBouncer tracks DateStyle and TimeZone), since psycopg reads times
 # by the DateStyle of the session, not of one transaction.
 CONFIGURE_POOLED_SESSION = "SET DateStyle TO 'ISO'; SET TimeZone TO 'UTC'"
-# transaction_timeout exists from PostgreSQL 17 on.
-IN_TRANSACTION_17 = """SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
+
+# Through a transaction pooler, where session settings do not last: the same settings for one
+# transaction, sent before each statement in the same simple query (one round trip; a statement
+# that fails rolls the whole transaction back, so nothing is left to clean up). SET TRANSACTION
+# must come first, before anything takes a snapshot.
+_IN_TRANSACTION = """SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
 SELECT set_config('TimeZone', 'UTC', true),
        set_config('statement_timeout', %(helix_statement_timeout_ms)s, true),
        set_config('lock_timeout', '0', true),
-       set_config('idle_in_transaction_session_timeout', '0', true),
-       set_config('transaction_timeout', '0', true);
-"""
+       set_config('idle_in_transaction_session_timeout', '0', true)"""
+IN_TRANSACTION = _IN_TRANSACTION + ";\n"
+# transaction_timeout exists from PostgreSQL 17 on.
+IN_TRANSACTION_17 = _IN_TRANSACTION + ",\n       set_config('transaction_timeout', '0', true);\n"
 
 LOCK = """
 id, organization_id, job_type, holder, fencing_token, acquired_at, expires_at, released_at,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -50,7 +51,7 @@ class Waiters:
         self.count = 0
         self.closing = False
         self._queues: dict[Key, _Queue] = {}
-        self._by_organization: dict[str, int] = {}  # waiting acquires, organizations with any
+        self._by_organization: Counter[str] = Counter()  # waiting acquires, organizations with any
 
     async def released(self, conn: psycopg.AsyncConnection[Any], payloads: list[str]) -> None:
         """Listener callback: wake the waiters of each key that ended (every key after a reconnect)."""
@@ -86,7 +87,7 @@ class Waiters:
         the key's lock is announced, which releases are not otherwise.
         """
         organization = key[0]
-        if self._by_organization.get(organization, 0) >= self.per_organization:
+        if self._by_organization[organization] >= self.per_organization:
             raise OrganizationWaitersFull(self.per_organization)  # checked first: its own fault
         if self.count >= self.limit:
             raise TooManyWaiters(self.limit)
@@ -94,7 +95,7 @@ class Waiters:
         deadline = loop.time() + wait_seconds
         queue = self._queues.setdefault(key, _Queue())
         self.count += 1
-        self._by_organization[organization] = self._by_organization.get(organization, 0) + 1
+        self._by_organization[organization] += 1
         queue.waiters += 1
         try:
             # If this request is cancelled just as its turn comes, the turn is handed on.
