@@ -16,9 +16,9 @@ Last, where Debian's wrk is installed, wrk drives the same helix and etcd cycles
 (bench/wrk/cycles.lua, a thread per connection) as a cross-check of the Python load generator.
 
 The database is a throwaway one: `helix_bench_<random>` on DATABASE_URL's server when that is set,
-else an embedded PostgreSQL in a temporary directory. It is seeded (released history and live
-locks, then ANALYZE) before anything is measured, and everything is removed at the end, on error
-and on Ctrl-C too.
+else an embedded PostgreSQL in a temporary directory. It is seeded (released history of 100
+organizations and live locks, then ANALYZE) before anything is measured, and everything is removed
+at the end, on error and on Ctrl-C too.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import itertools
 import json
 import os
 import queue
@@ -58,7 +59,7 @@ from psycopg.conninfo import make_conninfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # PgBouncer, as the tests run it
 
-from service import keys
+from service import keys, queries
 from service.embedded import DIRECT_DATABASE_URL
 from service.migrate import migrate
 from tests.support import pgbouncer, through
@@ -176,7 +177,7 @@ INSERT INTO helix_job_locks (
     organization_id, job_type, holder, token, acquired_at, expires_at,
     released_at, release_reason, fencing_token
 )
-SELECT 'seed-org-' || k %% 500, 'seed-job-' || k, 'seed-worker', md5(g::text),
+SELECT 'seed-org-' || k %% %(organizations)s::int, 'seed-job-' || k, 'seed-worker', md5(g::text),
        t, t + interval '30 seconds',
        CASE WHEN live THEN NULL WHEN g %% 10 = 0 THEN t + interval '31 seconds'
             ELSE t + interval '2 seconds' END,
@@ -197,16 +198,26 @@ SELECT organization_id, job_type, max(fencing_token) FROM helix_job_locks GROUP 
 """
 
 
+SEED_ORGANIZATIONS = 100  # the history is theirs; the bench's own key is of another, "bench"
+
+
 def seed(url: str, history: int, live: int) -> str:
-    """Ended locks across many keys, live locks on the first of those keys, then VACUUM ANALYZE."""
+    """Ended locks across many keys of SEED_ORGANIZATIONS organizations, live locks on the first
+    of those keys, then VACUUM ANALYZE."""
     keys = max(1, history // 10, live)
     live = min(live, keys)
     with psycopg.connect(url, autocommit=True) as conn:
         # The live rows come last, one per key from key 1 on: their fencing token tops that key's.
-        conn.execute(SEED_LOCKS, {"keys": keys, "history": history, "live": live})
+        conn.execute(
+            SEED_LOCKS,
+            {"keys": keys, "history": history, "live": live, "organizations": SEED_ORGANIZATIONS},
+        )
         conn.execute(SEED_KEYS)
         conn.execute("VACUUM (ANALYZE) helix_job_locks, helix_lock_keys")
-    return f"{history:,} ended locks on {keys:,} keys + {live:,} live locks, then VACUUM ANALYZE"
+    return (
+        f"{history:,} ended locks on {keys:,} keys of {SEED_ORGANIZATIONS} organizations"
+        f" + {live:,} live locks, then VACUUM ANALYZE"
+    )
 
 
 # The statements inside helix_acquire_job_lock and helix_release_job_lock that look rows up, as
@@ -266,6 +277,94 @@ def check_plans(url: str) -> str:
     return (
         f"plan check: OK, the {len(PLAN_CHECKS)} row look-ups of acquire and release use index scans "
         "on the seeded tables (custom and generic plans)"
+    )
+
+
+# Listings of one organization as service/locks.py sends them: (what, statement, the index whose
+# range it must read in order, up to LIMIT). The parameters' types are those psycopg sends.
+LISTINGS = [
+    ("history", queries.LIST_HISTORY, "helix_job_locks_history_by_organization"),
+    ("history of a job type", queries.LIST_HISTORY_OF_JOB_TYPE, "helix_job_locks_history_by_job_type"),
+    ("live locks", queries.LIST_LIVE, "helix_job_locks_one_live"),
+    ("live locks of a job type", queries.LIST_LIVE_OF_JOB_TYPE, "helix_job_locks_one_live"),
+]
+LISTING_TYPES = {
+    "organization_id": "text",
+    "job_type": "text",
+    "state": "text",
+    "limit": "bigint",
+    "after_organization_id": "text",
+    "after_job_type": "text",
+    "after_released_at": "timestamptz",
+    "after_id": "bigint",
+}
+
+
+def check_listing_plans(url: str) -> str:
+    """EXPLAIN the listings of one organization on the seeded tables, custom and generic plans:
+    each must be an index scan of one range within the organization that stops at LIMIT (no Sort
+    of every match, no other organization's rows), with or without job type and cursor, of every
+    state, for seeded organizations (a hundredth of the history each) and the bench's (none)."""
+    bad: list[str] = []
+    checked = 0
+    # With 100 organizations and a key in ten reclaimed, seed-org-1's history is all released,
+    # seed-org-10's all reclaimed.
+    organizations = ("seed-org-1", "seed-org-10", "bench")
+    states = {True: (None, "held", "expired"), False: ("released", "reclaimed")}
+    with psycopg.connect(url, autocommit=True) as conn:
+        # Each organization's cursors: a key and a history row of its own (of seed-org-1's for
+        # "bench", which has none), some way down.
+        cursors: dict[str, tuple[Any, ...]] = {}
+        for org in organizations:
+            found = conn.execute(
+                "SELECT job_type, released_at, id FROM helix_job_locks"
+                " WHERE organization_id = %s AND released_at IS NOT NULL"
+                " ORDER BY released_at DESC, id DESC LIMIT 1 OFFSET 20",
+                (org,),
+            ).fetchone()
+            cursors[org] = found or cursors.get("seed-org-1", ("seed-job-1", None, None))
+        for number, (what, statement, index) in enumerate(LISTINGS):
+            names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", statement)))
+            body = statement
+            for position, name in enumerate(names, 1):
+                body = body.replace(f"%({name})s", f"${position}")
+            types = ", ".join(LISTING_TYPES[name] for name in names)
+            conn.execute(f"PREPARE listing_{number} ({types}) AS {body}")
+            cases = itertools.product(
+                organizations,
+                states["after_job_type" in names],
+                (False, True),
+                ("force_custom_plan", "force_generic_plan"),
+            )
+            for org, state, cursor, mode in cases:
+                job_type, released_at, lock_id = cursors[org]
+                params: dict[str, Any] = {
+                    "organization_id": org,
+                    "job_type": job_type,
+                    "state": state,
+                    # A page of 50: fewer than a seeded organization's live locks (100), so the
+                    # plan to expect reads in order and stops; fewer rows than a page are read
+                    # whole and sorted, as cheap as any order.
+                    "limit": 51,
+                    "after_organization_id": org if cursor else None,
+                    "after_job_type": job_type if cursor else None,
+                    "after_released_at": released_at if cursor else None,
+                    "after_id": lock_id if cursor else None,
+                }
+                args = sql.SQL(", ").join(sql.Literal(params[name]) for name in names)
+                conn.execute(sql.SQL("SET plan_cache_mode = {}").format(sql.Literal(mode)))
+                query = sql.SQL("EXPLAIN EXECUTE listing_{} ({})").format(sql.SQL(str(number)), args)
+                plan = " / ".join(str(row[0]).strip() for row in conn.execute(query).fetchall())
+                checked += 1
+                if f"Index Scan using {index} " not in plan or any(
+                    node in plan for node in ("Seq Scan", "Sort", "Bitmap")
+                ):
+                    bad.append(f"{what} of {org}, state {state}, cursor {cursor} ({mode}): {plan}")
+    if bad:
+        return "listing plan check: WARNING, not one ordered index range: " + "; ".join(bad)
+    return (
+        f"listing plan check: OK, {checked} plans of organizations' listings (history and live, with"
+        " and without job type and cursor, custom and generic) read one range of an index in order"
     )
 
 
@@ -918,7 +1017,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "client (same requests, several times the CPU per request)",
     )
     parser.add_argument(
-        "--history", type=int, default=200_000, help="ended locks seeded before measuring (default: 200000)"
+        "--history",
+        type=int,
+        default=1_000_000,
+        help="ended locks seeded before measuring, across 100 organizations (default: 1000000)",
     )
     parser.add_argument("--live", type=int, default=10_000, help="live locks seeded (default: 10000)")
     parser.add_argument(
@@ -1057,6 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
             setup.append(f"seeded: {seed(url, args.history, args.live)}")
             log(setup[-1])
             setup.append(check_plans(url))
+            log(setup[-1])
+            setup.append(check_listing_plans(url))
             log(setup[-1])
             service_env = None
             if args.pgbouncer:
