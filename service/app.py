@@ -23,10 +23,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import api, problems, queries, telemetry
 from service.db import Database, create_pool
-from service.errors import DatabaseUnavailable, EmptyResult, LockError
+from service.errors import DatabaseUnavailable, EmptyResult, LockError, UnsupportedMediaType
 from service.keys import KeyRing
 from service.listener import Listener
-from service.locks import Locks
+from service.locks import LiveLockQuota, Locks
 from service.retention import Pruner
 from service.settings import Settings
 from service.waiting import Waiters
@@ -90,15 +90,9 @@ def _field(loc: tuple[int | str, ...], kind: str) -> str:
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    content_type = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
     body_errors = any(err["loc"][:1] == ("body",) for err in exc.errors())
-    if body_errors and not (content_type == "application/json" or content_type.endswith("+json")):
-        return problems.problem(
-            415,
-            "unsupported-media-type",
-            "Unsupported media type",
-            "Send the body as JSON with Content-Type: application/json.",
-        )
+    if body_errors and not api.declared_json(request.headers.get("content-type", "application/json")):
+        return problems.from_error(UnsupportedMediaType())
     errors = [
         {
             "field": _field(tuple(err["loc"]), err["type"]),
@@ -197,8 +191,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # start, which makes uvicorn stop every worker.
         await pool.open(wait=False)
         db = Database(pool, settings)
-        app.state.locks = Locks(db)
+        app.state.locks = Locks(db, LiveLockQuota(db, settings.max_live_locks_per_organization))
         app.state.keys = keys = KeyRing(db, settings.allow_anonymous)
+        app.state.anonymous_any_host = settings.anonymous_any_host
         app.state.waiters = waiters = Waiters(settings.max_waiters, settings.max_waiters_per_organization)
 
         async def probe(payload: str) -> None:

@@ -77,6 +77,11 @@ class Forbidden(LockError):
 
 
 @dataclass
+class UnsupportedMediaType(LockError):
+    """A body that is not declared as JSON, where that is required."""
+
+
+@dataclass
 class TooManyWaiters(LockError):
     """This process already has as many waiting acquires as it allows."""
 
@@ -86,6 +91,13 @@ class TooManyWaiters(LockError):
 @dataclass
 class OrganizationWaitersFull(LockError):
     """This process already has as many waiting acquires of the organization as one may have."""
+
+    limit: int
+
+
+@dataclass
+class QuotaExceeded(LockError):
+    """The organization already has as many live locks as it may have."""
 
     limit: int
 

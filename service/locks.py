@@ -6,6 +6,7 @@ import base64
 import binascii
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from psycopg.types.json import Jsonb
 
 from service import queries
 from service.db import Database
-from service.errors import Forbidden, InvalidArgument, LockError, LockNotFound
+from service.errors import Forbidden, InvalidArgument, LockError, LockNotFound, QuotaExceeded
 from service.keys import Caller
 
 State = Literal["held", "expired", "released", "reclaimed"]
@@ -125,11 +126,102 @@ def storable_text(value: str) -> bool:
     return True
 
 
+@dataclass
+class _Count:
+    """One organization's live locks, as this process knows them."""
+
+    counted: int  # by the database, at `at`
+    at: float  # time.monotonic() of that count
+    since: int = 0  # this process's grants less its releases, finished after the count
+    pending: int = 0  # this process's acquires admitted as new and not yet finished
+
+    @property
+    def live(self) -> int:
+        return self.counted + self.since + self.pending
+
+
+class LiveLockQuota:
+    """At most `limit` live locks (held, or lapsed and not yet reclaimed) per organization.
+
+    Counted approximately, so that counting never serialises an organization's acquires (an exact
+    count would have to lock something every acquire of the organization shares). This process
+    counts an organization's live rows (an index-only scan of the live-lock index) and adds its
+    own grants and releases, finished or in flight. It counts again after FRESH_SECONDS; within
+    BAND of the limit, at every acquire; at the limit, after AT_LIMIT_SECONDS (so that a stream of
+    refused acquires costs one count a tenth of a second). What other processes grant shows at
+    the next count: an organization may go over by the acquires in flight in other processes as
+    it reaches the limit. At the limit, an acquire that would add no live lock (its key has one
+    already: to reclaim, or to answer 409 or a replay with) goes on.
+    """
+
+    FRESH_SECONDS = 1.0
+    AT_LIMIT_SECONDS = 0.1
+    BAND = 0.05  # of the limit
+    # Organizations remembered at once; past it, the counts gone stale are forgotten.
+    REMEMBERED = 10_000
+
+    def __init__(self, db: Database, limit: int) -> None:
+        self.db = db
+        self.limit = limit
+        self.near = limit - max(1, int(limit * self.BAND))
+        self._counts: dict[str, _Count] = {}
+
+    async def admit(self, organization_id: str, job_type: str) -> bool:
+        """True if room for one more live lock is reserved (settle it with `settled`); False if
+        the key has a live lock already and the organization is at its limit. QuotaExceeded if
+        the acquire could add a live lock beyond the limit."""
+        count = self._counts.get(organization_id)
+        if count is None or self._stale(count):
+            at = time.monotonic()
+            row = await self.db.fetch_first(
+                queries.COUNT_LIVE_IN_ORGANIZATION, {"organization_id": organization_id}
+            )
+            count = self._remember(organization_id, int(row["live"]), at)
+        if count.live < self.limit:
+            count.pending += 1
+            return True
+        row = await self.db.fetch_first(
+            queries.KEY_IS_LIVE, {"organization_id": organization_id, "job_type": job_type}
+        )
+        if not row["live"]:
+            raise QuotaExceeded(self.limit)
+        return False
+
+    def settled(self, organization_id: str, *, added: bool) -> None:
+        """An admitted acquire finished: it added a live lock, or not (failed, reclaimed)."""
+        if (count := self._counts.get(organization_id)) is not None:
+            count.pending = max(0, count.pending - 1)
+            count.since += added
+
+    def released(self, organization_id: str) -> None:
+        """This process ended one of the organization's live locks."""
+        if (count := self._counts.get(organization_id)) is not None:
+            count.since -= 1
+
+    def _stale(self, count: _Count) -> bool:
+        age = time.monotonic() - count.at
+        if count.live >= self.limit:
+            return age > self.AT_LIMIT_SECONDS
+        return count.live >= self.near or age > self.FRESH_SECONDS
+
+    def _remember(self, organization_id: str, counted: int, at: float) -> _Count:
+        count = self._counts.get(organization_id)
+        if count is None:
+            if len(self._counts) >= self.REMEMBERED:
+                fresh = time.monotonic() - self.FRESH_SECONDS
+                self._counts = {org: c for org, c in self._counts.items() if c.at > fresh or c.pending}
+            count = self._counts[organization_id] = _Count(counted, at)
+        elif at >= count.at:  # a count that began before the last one ended tells less
+            count.counted, count.at, count.since = counted, at, 0
+        return count
+
+
 class Locks:
     """The lock operations of one service process."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, quota: LiveLockQuota) -> None:
         self.db = db
+        self.quota = quota
 
     async def acquire(
         self,
@@ -145,17 +237,26 @@ class Locks:
         lock it got is live, answers that same grant."""
         if caller.scope not in (None, organization_id):
             raise Forbidden(f"This API key acts only in organization {caller.scope}.")
-        row = await self.db.fetch_first(
-            queries.ACQUIRE,
-            {
-                "organization_id": organization_id,
-                "job_type": job_type,
-                "holder": holder,
-                "ttl_ms": ttl_ms,
-                "metadata": None if metadata is None else Jsonb(metadata),
-                "idempotency_key": idempotency_key,
-            },
-        )
+        reserved = await self.quota.admit(organization_id, job_type)
+        added = False
+        try:
+            row = await self.db.fetch_first(
+                queries.ACQUIRE,
+                {
+                    "organization_id": organization_id,
+                    "job_type": job_type,
+                    "holder": holder,
+                    "ttl_ms": ttl_ms,
+                    "metadata": None if metadata is None else Jsonb(metadata),
+                    "idempotency_key": idempotency_key,
+                },
+            )
+            # A grant that reclaimed adds no live lock; a replay is counted once more, until
+            # the next count.
+            added = row["reclaimed_lock_id"] is None
+        finally:
+            if reserved:
+                self.quota.settled(organization_id, added=added)
         reclaimed = None
         if row["reclaimed_lock_id"] is not None:
             reclaimed = Reclaimed(
@@ -184,7 +285,9 @@ class Locks:
 
     async def release(self, caller: Caller, lock_id: int, token: str) -> Lock:
         params = {"lock_id": lock_id, "token": token, "scope": caller.scope}
-        return Lock.from_row(await self.db.fetch_first(queries.RELEASE, params))
+        lock = Lock.from_row(await self.db.fetch_first(queries.RELEASE, params))
+        self.quota.released(lock.organization_id)
+        return lock
 
     async def release_unclaimed(self, caller: Caller, lock_id: int, token: str) -> bool:
         """Release a grant nobody was told of (its waiting client left), unless a retry with its
@@ -197,7 +300,9 @@ class Locks:
         if not caller.admin:
             raise Forbidden("Only an admin API key may release a lock by force.")
         params = {"lock_id": lock_id, "key_id": caller.key_id}
-        return Lock.from_row(await self.db.fetch_first(queries.FORCE_RELEASE, params))
+        lock = Lock.from_row(await self.db.fetch_first(queries.FORCE_RELEASE, params))
+        self.quota.released(lock.organization_id)
+        return lock
 
     async def renew(self, caller: Caller, lock_id: int, token: str, ttl_ms: int) -> Renewal:
         params = {"lock_id": lock_id, "token": token, "ttl_ms": ttl_ms, "scope": caller.scope}
@@ -246,10 +351,19 @@ class Locks:
         }
         if live:
             params.update(after_organization_id=after[0], after_job_type=after[1])
-            rows = await self.db.fetch_all(queries.LIST_LIVE, params)
         else:
             params.update(after_released_at=after[0], after_id=after[1])
-            rows = await self.db.fetch_all(queries.LIST_HISTORY, params)
+        # A statement of its own for each kind, so that its plan, generic too, scans one range of
+        # an index within the organization (service/queries.py).
+        if organization_id is None:  # an admin's, across organizations
+            statement = (
+                queries.LIST_LIVE_ALL_ORGANIZATIONS if live else queries.LIST_HISTORY_ALL_ORGANIZATIONS
+            )
+        elif job_type is None:
+            statement = queries.LIST_LIVE if live else queries.LIST_HISTORY
+        else:
+            statement = queries.LIST_LIVE_OF_JOB_TYPE if live else queries.LIST_HISTORY_OF_JOB_TYPE
+        rows = await self.db.fetch_all(statement, params)
         items = [Lock.from_row(row) for row in rows[:limit]]
         next_cursor = None
         if len(rows) > limit:

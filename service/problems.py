@@ -19,11 +19,13 @@ from service.errors import (
     LockHeld,
     LockNotFound,
     OrganizationWaitersFull,
+    QuotaExceeded,
     SchemaNotReady,
     ShuttingDown,
     TokenMismatch,
     TooManyWaiters,
     Unauthenticated,
+    UnsupportedMediaType,
     WaitInterrupted,
 )
 
@@ -124,6 +126,12 @@ PROBLEMS: Mapping[type[LockError], Callable[[Any], JSONResponse]] = {
         401, "unauthenticated", "Unauthenticated", exc.reason, headers={"WWW-Authenticate": "Bearer"}
     ),
     Forbidden: lambda exc: problem(403, "forbidden", "Forbidden", exc.reason),
+    UnsupportedMediaType: lambda exc: problem(
+        415,
+        "unsupported-media-type",
+        "Unsupported media type",
+        "Send the body as JSON with Content-Type: application/json.",
+    ),
     TooManyWaiters: lambda exc: problem(
         503,
         "too-many-waiters",
@@ -136,6 +144,14 @@ PROBLEMS: Mapping[type[LockError], Callable[[Any], JSONResponse]] = {
         "too-many-waiters-in-organization",
         "Too many waiters in this organization",
         f"This organization already has {exc.limit} acquires waiting in this service process; try again.",
+        headers={"Retry-After": "1"},
+    ),
+    QuotaExceeded: lambda exc: problem(
+        429,
+        "quota-exceeded",
+        "Live-lock quota exceeded",
+        f"This organization already has about {exc.limit} live locks, as many as one may have: release"
+        " some, or let them expire and be reclaimed.",
         headers={"Retry-After": "1"},
     ),
     WaitInterrupted: lambda exc: problem(

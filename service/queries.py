@@ -104,36 +104,97 @@ WHERE organization_id = %(organization_id)s
 """
 )
 
+# The live-lock quota (service/locks.py): an organization's live locks, counted on the live-lock
+# index, and whether one key has a live lock (a grant for it then adds none).
+COUNT_LIVE_IN_ORGANIZATION = """
+SELECT count(*) AS live
+FROM helix_job_locks WHERE organization_id = %(organization_id)s AND released_at IS NULL
+"""
+KEY_IS_LIVE = """
+SELECT EXISTS (
+    SELECT FROM helix_job_locks
+    WHERE organization_id = %(organization_id)s AND job_type = %(job_type)s AND released_at IS NULL
+) AS live
+"""
+
+# Listings read helix_job_locks itself, not helix_job_lock_views: the view's columns call
+# clock_timestamp(), so PostgreSQL never merges the view into a query, and an ORDER BY over it
+# sorts every row that matches rather than reading an index in order up to LIMIT. The columns are
+# the view's (migration 0003) for the rows each listing lists. One statement per kind of listing
+# (service/locks.py picks it), and none tests `%(x)s IS NULL OR` on the organization or job
+# type: a generic plan (a prepared statement after a few executions) cannot bound an index scan
+# by such a test, and would read every organization's rows. An organization's listing is one
+# range of an index that starts with organization_id (for history, migration 0011's) and stops
+# at LIMIT; an admin's across organizations reads the global index in order and filters (admins
+# are trusted).
+
 # Locks not yet released (held, expired or both), in key order; the cursor is the last key seen.
-LIST_LIVE = (
-    "SELECT "
-    + LOCK
-    + """ FROM helix_job_lock_views
-WHERE released_at IS NULL
-  AND (%(organization_id)s::text IS NULL OR organization_id = %(organization_id)s)
-  AND (%(job_type)s::text IS NULL OR job_type = %(job_type)s)
-  AND (%(state)s::text IS NULL OR state = %(state)s)
+# The state is computed once per row (LATERAL), so a row kept by a state filter says that state.
+_LIVE = """
+SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquired_at, l.expires_at,
+       l.released_at, l.release_reason, s.state,
+       greatest(0, floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000))::bigint
+           AS ttl_remaining_ms,
+       l.metadata
+FROM helix_job_locks AS l
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN l.expires_at <= clock_timestamp() THEN 'expired' ELSE 'held' END AS state
+) AS s
+WHERE l.released_at IS NULL
+  AND (%(state)s::text IS NULL OR s.state = %(state)s)
   AND (%(after_organization_id)s::text IS NULL
-       OR (organization_id, job_type) > (%(after_organization_id)s, %(after_job_type)s))
-ORDER BY organization_id, job_type
+       OR (l.organization_id, l.job_type) > (%(after_organization_id)s, %(after_job_type)s))
+"""
+_IN_KEY_ORDER = """ORDER BY l.organization_id, l.job_type
 LIMIT %(limit)s
 """
+# Each scan starts at the cursor's key (for an organization's listing, its job type when the
+# cursor is of this organization), else at the first: '' sorts before any text. The cursor test
+# above keeps the answer exact.
+LIST_LIVE = (
+    _LIVE
+    + """  AND l.organization_id = %(organization_id)s
+  AND l.job_type >= CASE WHEN %(after_organization_id)s::text = %(organization_id)s
+                         THEN %(after_job_type)s::text ELSE '' END
+"""
+    + _IN_KEY_ORDER
+)
+LIST_LIVE_OF_JOB_TYPE = (
+    _LIVE + "  AND l.organization_id = %(organization_id)s AND l.job_type = %(job_type)s\n" + _IN_KEY_ORDER
+)
+LIST_LIVE_ALL_ORGANIZATIONS = (
+    _LIVE
+    + """  AND (%(job_type)s::text IS NULL OR l.job_type = %(job_type)s)
+  AND (l.organization_id, l.job_type)
+      >= (coalesce(%(after_organization_id)s::text, ''), coalesce(%(after_job_type)s::text, ''))
+"""
+    + _IN_KEY_ORDER
 )
 
-# Ended locks, newest end first; the cursor is the last (released_at, id) seen.
-LIST_HISTORY = (
-    "SELECT "
-    + LOCK
-    + """ FROM helix_job_lock_views
-WHERE released_at IS NOT NULL
-  AND state = %(state)s
-  AND (%(organization_id)s::text IS NULL OR organization_id = %(organization_id)s)
-  AND (%(job_type)s::text IS NULL OR job_type = %(job_type)s)
-  AND (%(after_released_at)s::timestamptz IS NULL
-       OR (released_at, id) < (%(after_released_at)s, %(after_id)s))
-ORDER BY released_at DESC, id DESC
+# Ended locks, newest end first; the cursor is the last (released_at, id) seen, and the first
+# page starts above every row (released_at is a clock reading, never 'infinity'). A state is one
+# value of the indexes' `release_reason IS DISTINCT FROM 'reclaimed'` (migration 0011 says why
+# that form).
+_HISTORY = """
+SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquired_at, l.expires_at,
+       l.released_at, l.release_reason,
+       CASE WHEN l.release_reason = 'reclaimed' THEN 'reclaimed' ELSE 'released' END AS state,
+       0::bigint AS ttl_remaining_ms, l.metadata
+FROM helix_job_locks AS l
+WHERE l.released_at IS NOT NULL
+  AND (l.release_reason IS DISTINCT FROM 'reclaimed') = (%(state)s::text = 'released')
+  AND (l.released_at, l.id) < (coalesce(%(after_released_at)s::timestamptz, 'infinity'),
+                               coalesce(%(after_id)s::bigint, 9223372036854775807))
+"""
+_NEWEST_FIRST = """ORDER BY l.released_at DESC, l.id DESC
 LIMIT %(limit)s
 """
+LIST_HISTORY = _HISTORY + "  AND l.organization_id = %(organization_id)s\n" + _NEWEST_FIRST
+LIST_HISTORY_OF_JOB_TYPE = (
+    _HISTORY + "  AND l.organization_id = %(organization_id)s AND l.job_type = %(job_type)s\n" + _NEWEST_FIRST
+)
+LIST_HISTORY_ALL_ORGANIZATIONS = (
+    _HISTORY + "  AND (%(job_type)s::text IS NULL OR l.job_type = %(job_type)s)\n" + _NEWEST_FIRST
 )
 
 
@@ -156,6 +217,8 @@ REVOKE_KEY = """
 UPDATE helix_api_keys SET revoked_at = coalesce(revoked_at, clock_timestamp()) WHERE id = %(id)s RETURNING id
 """
 KEYS_EXIST = "SELECT EXISTS (SELECT 1 FROM helix_api_keys) AS exists"
+# A bootstrap that stores a key only while none exists: one at a time.
+LOCK_KEYS = "LOCK TABLE helix_api_keys IN SHARE ROW EXCLUSIVE MODE"
 # Last use is recorded in batches, to the nearest few seconds, not as a write per request.
 TOUCH_KEYS = "SELECT helix_touch_api_keys(%(ids)s) AS touched"
 

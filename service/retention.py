@@ -1,4 +1,5 @@
-"""History retention: ended locks older than the window are deleted, in small batches."""
+"""History retention: ended locks older than the window, and locks whose lease ended before it,
+are deleted, in small batches."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ logger = logging.getLogger("helix_locks")
 
 
 class Pruner:
-    """Deletes ended lock rows older than `keep`; one replica at a time (an advisory lock)."""
+    """Deletes lock rows that ended, or whose lease ended, longer than `keep` ago; one replica at a
+    time (an advisory lock)."""
 
     def __init__(self, db: Database, keep: timedelta, batch: int, interval: float) -> None:
         self.db = db
@@ -49,7 +51,7 @@ class Pruner:
             try:
                 deleted = await self.prune()
                 if deleted:
-                    logger.info("retention: deleted %d ended locks older than %s", deleted, self.keep)
+                    logger.info("retention: deleted %d locks that ended more than %s ago", deleted, self.keep)
             except LockError as exc:  # the database is away: try again next time
                 logger.warning("retention: %s", type(exc).__name__)
             except Exception:  # e.g. not migrated yet; retention must outlive it

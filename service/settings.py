@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     # Serve requests without an API key while no key exists at all. `serve` sets it when it
     # listens on loopback only, or with --insecure; once any key exists, keys are required.
     allow_anonymous: bool = False
+    # Anonymous requests must name a loopback host (Host: localhost, 127.0.0.1, [::1]), which
+    # defeats DNS rebinding; --insecure, off loopback, sets this to accept any Host.
+    anonymous_any_host: bool = False
     # Ended locks are kept this many days, then deleted in batches (0 keeps them for ever).
     retention_days: float = Field(default=7.0, ge=0)
     retention_batch: int = Field(default=1000, ge=1, le=100_000)
@@ -42,6 +45,9 @@ class Settings(BaseSettings):
     max_waiters: int = Field(default=10_000, ge=0)
     # Of those, one organization's at most; beyond it, 429 for that organization alone.
     max_waiters_per_organization: int = Field(default=1_000, ge=0)
+    # Live locks (held, or lapsed and not yet reclaimed) of one organization; beyond it, 429. The
+    # count is approximate (service/locks.py, LiveLockQuota).
+    max_live_locks_per_organization: int = Field(default=10_000, ge=1)
 
     @property
     def through_pooler(self) -> bool:
@@ -76,6 +82,9 @@ class EdgeSettings(BaseSettings):
     head_timeout_seconds: float = Field(default=10.0, gt=0)
     # From a request's head to the end of its body.
     body_timeout_seconds: float = Field(default=10.0, gt=0)
+    # An answer the client does not read: it must take 64 KiB of it (or all) this often, or the
+    # connection is aborted.
+    write_timeout_seconds: float = Field(default=10.0, gt=0)
     # Connections open at once in one worker process; more are closed as they come. The process's
     # nofile limit must be above it (plus the pool's connections and a few files).
     max_connections: int = Field(default=4096, ge=1)

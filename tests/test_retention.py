@@ -93,3 +93,41 @@ def test_a_prune_with_nothing_to_delete_reads_almost_nothing(conn: Conn) -> None
     assert deleted == (0,)
     assert read is not None
     assert read[0] < 10, f"{read[0]} rows read to delete none"
+
+
+async def test_locks_whose_lease_ended_before_the_window_are_pruned_and_their_counters_stay(
+    db_url: str, conn: Conn
+) -> None:
+    """A holder that vanished, on a key nobody acquired again: its lock goes once its lease has
+    been over for longer than the window, and the next grant of the key still fences it out."""
+    conn.execute(
+        "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, metadata, fencing_token,"
+        " acquired_at, expires_at)"
+        " SELECT 'acme', 'gone-' || n, 'w', md5(n::text), jsonb_build_object('pad', repeat('x', 8000)), 7,"
+        "  now() - make_interval(days => 8 + n % 3) - interval '1 minute',"
+        "  now() - make_interval(days => 8 + n % 3)"
+        " FROM generate_series(0, 2499) AS n"
+    )
+    conn.execute(
+        "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, fencing_token,"
+        " acquired_at, expires_at)"
+        " SELECT 'acme', 'lapsed-yesterday-' || n, 'w', md5(n::text), 1,"
+        "  now() - interval '1 day' - interval '1 minute', now() - interval '1 day'"
+        " FROM generate_series(1, 10) AS n"
+    )
+    conn.execute(
+        "INSERT INTO helix_lock_keys SELECT 'acme', 'gone-' || n, 7 FROM generate_series(0, 2499) AS n"
+    )
+    settings = Settings(database_url=db_url)
+    pool = create_pool(settings)
+    await pool.open(wait=True)
+    try:
+        assert (
+            await Pruner(Database(pool, settings), timedelta(days=7), batch=1000, interval=60).prune() == 2500
+        )
+    finally:
+        await pool.close()
+    left = conn.execute("SELECT job_type FROM helix_job_locks ORDER BY job_type").fetchall()
+    assert [job_type for (job_type,) in left] == sorted(f"lapsed-yesterday-{n}" for n in range(1, 11))
+    token = conn.execute("SELECT fencing_token FROM helix_acquire_job_lock('acme', 'gone-5', 'next', 60000)")
+    assert token.fetchone() == (8,), "the key's fencing counter survived its lock"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -437,3 +438,20 @@ def test_a_writing_transaction_holds_off_the_holders_release_but_not_its_renewal
             storage.commit()
     assert "error" not in outcome
     assert row(conn, h1["id"])["release_reason"] == "released"
+
+
+def test_tokens_carry_128_random_bits(conn: Conn) -> None:
+    """32 hex digits, every one of them random: a UUIDv4's version digit (always 4) and variant
+    digit (8 to b) would show as digits that never take some values."""
+    tokens = [
+        row[0]
+        for row in conn.execute(
+            "SELECT (helix_acquire_job_lock('acme', 'job-' || n, 'w', 60000, NULL, NULL)).token"
+            " FROM generate_series(1, 400) AS n"
+        ).fetchall()
+    ]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", token) for token in tokens)
+    assert len(set(tokens)) == len(tokens)
+    for position in range(32):
+        seen = {token[position] for token in tokens}
+        assert len(seen) == 16, f"hex digit {position} took only {sorted(seen)} in 400 tokens"
