@@ -10,7 +10,11 @@ stream an endless header into memory, or hold sockets open without finishing a r
 - a body that does not arrive in full within `body_timeout` of its head gets 408 and the
   connection is closed;
 - a connection beyond `max_connections` open in this worker is closed at once, so that the
-  process's file descriptors (its nofile limit must be higher) never run out.
+  process's file descriptors (its nofile limit must be higher) never run out;
+- an answer the client does not read is cut off: once the unsent part of the answers is over
+  asyncio's high-water mark (64 KiB), the client must take at least WRITE_PROGRESS_BYTES of it
+  (or all of it) every `write_timeout`, or the connection is aborted and what it held is freed.
+  Otherwise a client that asks for large pages and never reads them pins each one in memory.
 Between requests, uvicorn's own keep-alive timeout closes an idle connection.
 """
 
@@ -41,6 +45,8 @@ def _answer(status: bytes, reason: str) -> bytes:
 
 TOO_LARGE = _answer(b"431 Request Header Fields Too Large", "Request header fields too large.")
 TOO_SLOW = _answer(b"408 Request Timeout", "The request did not arrive in time.")
+# What a client must read of a paused answer per write timeout: 6.4 KB/s at the default 10 s.
+WRITE_PROGRESS_BYTES = 64 * 1024
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -54,6 +60,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._begun = False  # the head being read has its first byte
         self._in_message = False  # between a request's first byte and its body's end
         self._timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._unsent = 0  # bytes buffered at the last look, while writing is paused
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
@@ -82,7 +90,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._stop_watching_writes()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._unsent = self.transport.get_write_buffer_size()
+        self._write_timer = self.loop.call_later(self.limits.write_timeout_seconds, self._check_writes)
+
+    def resume_writing(self) -> None:
+        self._stop_watching_writes()
+        super().resume_writing()
+
+    def _stop_watching_writes(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _check_writes(self) -> None:
+        unsent = self.transport.get_write_buffer_size()
+        if self._unsent - unsent < min(WRITE_PROGRESS_BYTES, self._unsent):
+            self._write_timer = None
+            self.transport.abort()  # close() would wait to send what is buffered
+            return
+        self._unsent = unsent
+        self._write_timer = self.loop.call_later(self.limits.write_timeout_seconds, self._check_writes)
 
     def data_received(self, data: bytes) -> None:
         # While a head is read, the parser gets no more than its budget: a head still unfinished
