@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -26,12 +28,14 @@ from service.errors import (
     LockHeld,
     LockNotFound,
     OrganizationWaitersFull,
+    QuotaExceeded,
     SchemaNotReady,
     ShuttingDown,
     TokenMismatch,
     Unauthenticated,
+    UnsupportedMediaType,
 )
-from service.keys import Caller, KeyRing
+from service.keys import ANONYMOUS, Caller, KeyRing
 from service.locks import Grant, Locks, State
 from service.schemas import (
     AcquireRequest,
@@ -72,8 +76,71 @@ async def authorized(request: Request) -> Session:
     """The caller the request's API key names (Unauthenticated if none), and the lock operations."""
     keys: KeyRing = request.app.state.keys
     caller = await keys.authenticate(request.headers.get("authorization"))
+    if caller is ANONYMOUS:
+        _from_this_machine(request)
     logs.bind(key_id=caller.key_id)
     return Session(caller, request.app.state.locks)
+
+
+def _from_this_machine(request: Request) -> None:
+    """Without API keys, the port is the only barrier, and a web page in a browser on this
+    machine can reach it: refuse what only such a page would send.
+    - A Host other than a loopback name: DNS rebinding (attacker.example resolved to 127.0.0.1
+      after the page loaded, so the page reads our answers as its own origin's).
+    - An Origin other than a loopback one: another site's page, sending without reading.
+    - A body not declared JSON: a page may send text/plain or a form without asking first,
+      while application/json needs a CORS preflight, which this service never grants.
+    """
+    headers = request.headers
+    any_host = request.app.state.anonymous_any_host
+    host = _hostname(headers.get("host", ""))
+    if host is None or not (any_host or host == "" or _loopback_name(host)):
+        raise Forbidden(
+            "Without API keys this service answers only requests addressed to a loopback name "
+            f"(localhost, 127.0.0.1, [::1]), not to {headers.get('host', '')[:100]!r}: create an API key "
+            "to serve others."
+        )
+    origin = headers.get("origin")
+    if origin is not None:
+        origin_host = _hostname(origin, url=True)
+        same = any_host and _netloc(origin) == headers.get("host")
+        if not (same or (origin_host and _loopback_name(origin_host))):
+            raise Forbidden(
+                "Without API keys this service answers no requests from web pages of another origin "
+                f"({origin[:100]!r})."
+            )
+    if request.method in ("POST", "PUT", "PATCH") and not declared_json(headers.get("content-type")):
+        raise UnsupportedMediaType()
+
+
+def _hostname(value: str, url: bool = False) -> str | None:
+    """The host a Host header (or, with url, an Origin) names, lower case; None if malformed."""
+    try:
+        return urlsplit(value if url else f"//{value}").hostname or ""
+    except ValueError:  # such as an unclosed [
+        return None
+
+
+def _netloc(url: str) -> str | None:
+    try:
+        return urlsplit(url).netloc
+    except ValueError:
+        return None
+
+
+def _loopback_name(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def declared_json(content_type: str | None) -> bool:
+    """Whether a Content-Type says JSON (application/json, or a +json type)."""
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
 
 
 LockIdPath = Annotated[str, Path(description="The id an acquire returned.")]
@@ -107,7 +174,9 @@ PROBLEM_DOCS: dict[str, tuple[str, JSONResponse]] = {
         problems.from_error(Unauthenticated("The API key is unknown or revoked.")),
     ),
     "forbidden": (
-        "The API key may not do this: another organization, or force without an admin key.",
+        "The API key may not do this: another organization, force or the metrics without an admin key;"
+        " or, with no API keys at all, a request a web page could have sent (a Host or Origin that is"
+        " not a loopback name).",
         problems.from_error(Forbidden("This API key acts only in organization acme.")),
     ),
     "token-mismatch": (
@@ -129,6 +198,10 @@ PROBLEM_DOCS: dict[str, tuple[str, JSONResponse]] = {
             413, "body-too-large", "Request body too large", "A request body may be at most 65536 bytes."
         ),
     ),
+    "unsupported-media-type": (
+        "The body is not declared as JSON: send Content-Type: application/json.",
+        problems.from_error(UnsupportedMediaType()),
+    ),
     "invalid-request": (
         "A parameter, header or body field is invalid, or the body is not JSON; errors names each.",
         problems.from_error(InvalidArgument("ttl_seconds", "Input should be less than or equal to 86400")),
@@ -145,6 +218,12 @@ PROBLEM_DOCS: dict[str, tuple[str, JSONResponse]] = {
         "wait_seconds: this organization already has as many acquires waiting in this service process as"
         " one may have (HELIX_LOCKS_MAX_WAITERS_PER_ORGANIZATION); try again after Retry-After.",
         problems.from_error(OrganizationWaitersFull(1000)),
+    ),
+    "quota-exceeded": (
+        "This organization already has as many live locks (held, or lapsed and not yet reclaimed) as"
+        " one may have (HELIX_LOCKS_MAX_LIVE_LOCKS_PER_ORGANIZATION, counted approximately); an"
+        " acquire of a key that has a live lock still goes on.",
+        problems.from_error(QuotaExceeded(10_000)),
     ),
     "service-stopping": (
         "The service was told to stop, and this request did not finish within the grace time.",
@@ -192,8 +271,10 @@ router = APIRouter(prefix="/v1", tags=["locks"])
             "forbidden",
             "lock-held",
             "body-too-large",
+            "unsupported-media-type",
             "invalid-request",
             "too-many-waiters-in-organization",
+            "quota-exceeded",
             "database-unavailable",
         ),
     },
@@ -405,6 +486,7 @@ async def release(
         "token-mismatch",
         "lock-not-found",
         "lock-ended",
+        "unsupported-media-type",
         "invalid-request",
         "database-unavailable",
     ),
@@ -457,10 +539,18 @@ async def readyz(request: Request) -> dict[str, Literal["ready"]]:
     "/metrics",
     summary="Metrics",
     response_class=PlainTextResponse,
-    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    openapi_extra=BEARER_REQUIRED,
+    responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+        **_problems("unauthenticated", "forbidden"),
+    },
 )
 async def metrics(request: Request) -> PlainTextResponse:
-    """Prometheus text format, for every worker process of this service."""
+    """Prometheus text format, for every worker process of this service. Once API keys exist,
+    only with an admin key: labelled by organization, it names every one."""
+    caller = (await authorized(request)).caller
+    if not (caller.admin or caller is ANONYMOUS):
+        raise Forbidden("Only an admin API key may read the metrics.")
     telemetry: Metrics = request.app.state.metrics
     await telemetry.sample_locks(request.app.state.locks.db)
     telemetry.sample_pool(request.app.state.locks.db.pool)

@@ -73,6 +73,8 @@ def serve(args: argparse.Namespace) -> int:
         # For the app factory, in every worker process.
         os.environ["DATABASE_URL"] = url
         os.environ["HELIX_LOCKS_ALLOW_ANONYMOUS"] = str(loopback or args.insecure).lower()
+        # Off loopback, --insecure is asked for requests addressed by other names.
+        os.environ["HELIX_LOCKS_ANONYMOUS_ANY_HOST"] = str(args.insecure and not loopback).lower()
         settings = Settings()  # type: ignore[call-arg]  # from the environment, as the workers read it
         EdgeSettings()  # a bad bound is said now, not by every worker
         with _metrics_directory(args.workers):
@@ -119,11 +121,45 @@ def keys_create(args: argparse.Namespace) -> int:
     if args.org is not None and not re.match(IDENTIFIER_PATTERN, args.org):
         print(f"helix-locks: not an organization id: {args.org!r}", file=sys.stderr)
         return 2
+    given = _key_from_file(args.from_file) if args.from_file else None
+    key = given or keys.new_key()
     with embedded.database_url(args.data_dir) as database_url:
         url = embedded.session_url(database_url)
         migrate.migrate(url)
-        key = keys.create(url, args.org)
-    print(key)  # alone on standard output, shown this once
+        try:
+            stored = keys.store(url, key, args.org, unless_any=args.if_none)
+        except psycopg.errors.UniqueViolation:
+            print(f"helix-locks: a key with id {keys.key_id(key)} exists already", file=sys.stderr)
+            return 1
+    if not stored:
+        # Not on standard output, where a script expects the key it asked for.
+        print("helix-locks: an API key exists already; stored none (--if-none)", file=sys.stderr)
+    elif given:
+        # The caller holds the key already; logs (compose's, for one) must not.
+        print(f"stored key {keys.key_id(key)}")
+    else:
+        print(key)  # alone on standard output, shown this once
+    return 0
+
+
+def _key_from_file(path: Path) -> str:
+    """The well-formed key that is the whole of the file (one line). Its content is never echoed:
+    it may be a key with a typo."""
+    try:
+        key = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"helix-locks: cannot read an API key from {path}: {exc}") from exc
+    if keys.key_id(key) is None:
+        raise SystemExit(
+            f"helix-locks: {path} does not hold an API key: it must hold one line, "
+            f"{keys.PREFIX}<12 hex digits>_<43 characters of A-Z a-z 0-9 - _> "
+            "(`helix-locks keys new` prints one)"
+        )
+    return key
+
+
+def keys_new(args: argparse.Namespace) -> int:
+    print(keys.new_key())
     return 0
 
 
@@ -252,8 +288,25 @@ def parser() -> argparse.ArgumentParser:
     scope = create_cmd.add_mutually_exclusive_group(required=True)
     scope.add_argument("--org", help="the organization the key acts in")
     scope.add_argument("--admin", action="store_true", help="a key that acts in every organization")
+    create_cmd.add_argument(
+        "--from-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="store the key this file holds (one line, as `keys new` prints) instead of a new one; "
+        "prints its id, never the key",
+    )
+    create_cmd.add_argument(
+        "--if-none",
+        action="store_true",
+        help="store nothing, and succeed, when any key exists already (a revoked one included)",
+    )
     data_dir_option(create_cmd)
     create_cmd.set_defaults(handler=keys_create)
+    new_cmd = keys_commands.add_parser(
+        "new", help="print a fresh key without storing it (for keys create --from-file)"
+    )
+    new_cmd.set_defaults(handler=keys_new)
     list_cmd = keys_commands.add_parser("list", help="list keys (never the keys themselves)")
     data_dir_option(list_cmd)
     list_cmd.set_defaults(handler=keys_list)

@@ -128,6 +128,6 @@ async def client(db_url: str) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://helix.test") as http,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as http,
     ):
         yield http

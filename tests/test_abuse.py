@@ -3,6 +3,7 @@ cut off, and a normal client beside them gets every answer in time."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import statistics
 import time
@@ -10,8 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psycopg
 import pytest
 
+from service import keys
 from tests.support import ROUTE, running_service
 
 # Short deadlines, so that the tests wait seconds, not the defaults' ten.
@@ -64,9 +67,8 @@ def test_a_head_within_the_limit_and_a_large_body_in_one_write_are_served(
     padded = body + b" " * (60_000 - len(body))
     with connect(port) as sock:
         sock.sendall(
-            b"POST /v1/locks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            + f"Content-Length: {len(padded)}\r\n\r\n".encode()
-            + padded
+            b"POST /v1/locks HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\n" + f"Content-Length: {len(padded)}\r\n\r\n".encode() + padded
         )
         assert answer(sock).startswith(b"HTTP/1.1 201")
 
@@ -104,13 +106,13 @@ def _rss_mb(pid: int) -> float:
         ("partial headers", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: 1", b"HTTP/1.1 408"),
         (
             "a short body under a larger Content-Length",
-            b"POST /v1/locks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/locks HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b'Content-Length: 100\r\n\r\n{"organization_id": ',
             b"HTTP/1.1 408",
         ),
         (
             "an unfinished chunked body",
-            b"POST /v1/locks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/locks HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b'Transfer-Encoding: chunked\r\n\r\n20\r\n{"organization_id',
             b"HTTP/1.1 408",
         ),
@@ -181,3 +183,192 @@ def test_connections_beyond_the_cap_are_closed_at_once(db_url: str, tmp_path: Pa
                 sock.close()
         time.sleep(0.2)
         assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+
+
+def _acquire(http: httpx.Client, key: str, organization_id: str, job_type: str) -> httpx.Response:
+    body = {"organization_id": organization_id, "job_type": job_type, "holder": "w", "ttl_seconds": 300}
+    return http.post("/v1/locks", json=body, headers={"Authorization": f"Bearer {key}"})
+
+
+def test_an_organization_past_its_live_lock_quota_gets_429_and_another_is_unaffected(
+    db_url: str, tmp_path: Path
+) -> None:
+    acme, globex = keys.create(db_url, "acme"), keys.create(db_url, "globex")
+    env = ROUTE.env(db_url, HELIX_LOCKS_MAX_LIVE_LOCKS_PER_ORGANIZATION="20")
+    with (
+        running_service(env=env, log=tmp_path / "s.log") as (url, _),
+        httpx.Client(base_url=url, timeout=10) as http,
+    ):
+        granted = [_acquire(http, acme, "acme", f"job-{n}") for n in range(20)]
+        assert [grant.status_code for grant in granted] == [201] * 20
+        refused = _acquire(http, acme, "acme", "job-20")
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["type"] == "urn:helix-locks:problem:quota-exceeded"
+        assert refused.headers["retry-after"] == "1"
+        assert _acquire(http, acme, "acme", "job-0").status_code == 409, "its key has a live lock: no quota"
+        assert _acquire(http, globex, "globex", "job-0").status_code == 201, (
+            "another organization is unaffected"
+        )
+
+        # At the limit, a lapsed lock is still reclaimed: that adds no live lock.
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE helix_job_locks SET acquired_at = acquired_at - interval '1 hour',"
+                " expires_at = clock_timestamp() - interval '1 second'"
+                " WHERE organization_id = 'acme' AND job_type = 'job-1' AND released_at IS NULL"
+            )
+        reclaim = _acquire(http, acme, "acme", "job-1")
+        assert reclaim.status_code == 201, reclaim.text
+
+        # A release makes room for one, and only one.
+        lock = granted[2].json()
+        auth = {"Authorization": f"Bearer {acme}", "Lock-Token": lock["token"]}
+        assert http.delete(f"/v1/locks/{lock['id']}", headers=auth).status_code == 204
+        assert _acquire(http, acme, "acme", "job-20").status_code == 201
+        assert _acquire(http, acme, "acme", "job-21").status_code == 429
+
+
+def test_the_live_lock_quota_holds_within_a_few_percent_under_a_burst_across_two_workers(
+    db_url: str, tmp_path: Path
+) -> None:
+    """700 acquires of new keys at once, on 32 connections, into two worker processes that each
+    count for themselves: the organization ends within 5% of its quota of 500 (over it by at
+    most the acquires in flight in the other process), and every acquire past it was refused
+    with 429, none with anything else."""
+    acme = keys.create(db_url, "acme")
+    env = ROUTE.env(db_url, HELIX_LOCKS_MAX_LIVE_LOCKS_PER_ORGANIZATION="500")
+
+    async def burst(url: str) -> list[int]:
+        limits = httpx.Limits(max_connections=32)
+        async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as http:
+            body = {"organization_id": "acme", "holder": "w", "ttl_seconds": 300}
+            answers = await asyncio.gather(
+                *(
+                    http.post(
+                        "/v1/locks",
+                        json={**body, "job_type": f"job-{n}"},
+                        headers={"Authorization": f"Bearer {acme}"},
+                    )
+                    for n in range(700)
+                )
+            )
+        return [answer.status_code for answer in answers]
+
+    with running_service("--workers", "2", env=env, log=tmp_path / "s.log") as (url, _):
+        statuses = asyncio.run(burst(url))
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute("SELECT count(*) FROM helix_job_locks WHERE released_at IS NULL").fetchone()
+    live = row[0] if row else 0
+    print(f"quota 500, burst of 700 into two workers: {live} live, {statuses.count(429)} refused")
+    assert set(statuses) <= {201, 429}, statuses
+    assert statuses.count(201) == live
+    assert 475 <= live <= 525
+
+
+def _raw(port: int, request: str, body: bytes = b"") -> tuple[int, bytes]:
+    """One request, written as a browser would send it; the status and the whole answer."""
+    with connect(port) as sock:
+        sock.sendall(request.replace("\n", "\r\n").encode() + b"\r\n" + body)
+        got = b""
+        sock.settimeout(5)
+        while b"\r\n\r\n" not in got or len(got.split(b"\r\n\r\n", 1)[1]) < _length(got):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    return int(got.split(b" ", 2)[1]), got
+
+
+def _length(answer: bytes) -> int:
+    for line in answer.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+LOCK = b'{"organization_id": "acme", "job_type": "rebind", "holder": "page", "ttl_seconds": 60}'
+
+
+def _post(port: int, host: str, *headers: str) -> tuple[int, bytes]:
+    lines = ["POST /v1/locks HTTP/1.1", f"Host: {host}", f"Content-Length: {len(LOCK)}", *headers]
+    return _raw(port, "\n".join(lines) + "\n", LOCK)
+
+
+def test_without_keys_only_requests_from_this_machine_are_answered(service: tuple[str, int, int]) -> None:
+    """DNS rebinding: a page at attacker.example whose name now resolves to 127.0.0.1 sends
+    exactly this. Without keys, the Host must be a loopback name, an Origin a loopback one, and a
+    body declared JSON (which a page cannot send without a preflight, which is never granted)."""
+    url, port, _ = service
+    attacker = f"rebind.attacker.example:{port}"
+    status, answer_ = _post(port, attacker, f"Origin: http://{attacker}")
+    assert status == 403 and b"loopback" in answer_, answer_
+    assert _raw(port, f"GET /v1/locks HTTP/1.1\nHost: {attacker}\n")[0] == 403
+    assert _raw(port, f"GET /metrics HTTP/1.1\nHost: {attacker}\n")[0] == 403
+    json_ = "Content-Type: application/json"
+    # Another site's page, straight at 127.0.0.1: its Origin gives it away.
+    assert _post(port, f"127.0.0.1:{port}", json_, "Origin: https://evil.example")[0] == 403
+    assert _post(port, f"127.0.0.1:{port}", json_, "Origin: null")[0] == 403
+    # A body a page could send without asking: text/plain, or no type at all.
+    assert _post(port, f"localhost:{port}", "Content-Type: text/plain")[0] == 415
+    assert _post(port, f"localhost:{port}")[0] == 415
+    assert _post(port, f"[::1]:{port}", "Content-Type: application/x-www-form-urlencoded")[0] == 415
+    assert _post(port, "[::1", json_)[0] in (400, 403), "a malformed Host is no loopback name"
+    with httpx.Client(base_url=url, timeout=5) as http:
+        assert http.get("/v1/locks").json()["items"] == [], "nothing above was granted"
+    # What a worker or curl on this machine sends is served.
+    assert _post(port, f"localhost:{port}", json_, "Origin: http://localhost:3000")[0] == 201
+    assert _raw(port, f"GET /v1/locks HTTP/1.1\nHost: 127.0.0.1:{port}\n")[0] == 200
+
+
+def test_with_keys_the_key_is_the_barrier_and_metrics_need_an_admin_key(db_url: str, tmp_path: Path) -> None:
+    acme, admin = keys.create(db_url, "acme"), keys.create(db_url, None)
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        status, _answer = _post(
+            port, "helix.internal", "Content-Type: application/json", f"Authorization: Bearer {acme}"
+        )
+        assert status == 201, "a key holder may name the service as it likes"
+        assert _raw(port, f"GET /metrics HTTP/1.1\nHost: localhost:{port}\n")[0] == 401
+        org = _raw(port, f"GET /metrics HTTP/1.1\nHost: localhost\nAuthorization: Bearer {acme}\n")
+        assert org[0] == 403, "metrics labelled by organization name them all: not for one organization's key"
+        status, metrics = _raw(
+            port, f"GET /metrics HTTP/1.1\nHost: localhost\nAuthorization: Bearer {admin}\n"
+        )
+        assert status == 200 and b"helix_locks_" in metrics
+
+
+def test_answers_that_are_never_read_are_cut_off_and_free_what_they_held(db_url: str, tmp_path: Path) -> None:
+    """30 clients ask for a page of 500 locks with 8 KiB of metadata each (4 MB) and read none of
+    it: within the write timeout (1 s here) each connection is aborted, rather than holding its
+    page in the server's memory for as long as the client likes."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, metadata,"
+            " fencing_token, acquired_at, expires_at)"
+            " SELECT 'acme', 'job-' || n, 'w', md5(n::text), jsonb_build_object('pad', repeat('x', 8000)),"
+            "  1, now(), now() + interval '1 hour' FROM generate_series(1, 500) AS n"
+        )
+    env = ROUTE.env(db_url, HELIX_LOCKS_WRITE_TIMEOUT_SECONDS="1")
+    with running_service(env=env, log=tmp_path / "s.log") as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        readers = []
+        for _ in range(30):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET /v1/locks?limit=500 HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            readers.append(sock)
+        try:
+            time.sleep(3)  # the write timeout, and a margin
+            with httpx.Client(base_url=url, timeout=5) as http:
+                assert http.get("/healthz").status_code == 200
+            for sock in readers:
+                got = answer(sock, within=5)
+                assert got.startswith(b"HTTP/1.1 200"), got[:100]
+                length = _length(got)
+                assert length > 4_000_000
+                assert len(got.split(b"\r\n\r\n", 1)[1]) < length, "cut off before the whole page was sent"
+        finally:
+            for sock in readers:
+                sock.close()

@@ -14,6 +14,7 @@ import httpx
 import psycopg
 import pytest
 
+from service import keys
 from service.app import create_app
 from service.settings import Settings
 from tests.support import ROUTE, TcpProxy
@@ -156,8 +157,14 @@ async def test_malformed_json_is_422(client: httpx.AsyncClient, raw: bytes) -> N
     assert problem["errors"]
 
 
-async def test_body_without_content_type_is_read_as_json(client: httpx.AsyncClient) -> None:
-    response = await client.post("/v1/locks", content=json.dumps(lock_body()).encode())
+async def test_body_without_content_type_is_read_as_json_from_a_key_holder(
+    client: httpx.AsyncClient, db_url: str
+) -> None:
+    """Anonymous callers must declare JSON (test_abuse.py: a web page could send it otherwise)."""
+    raw = json.dumps(lock_body()).encode()
+    assert_problem(await client.post("/v1/locks", content=raw), 415)
+    key = keys.create(db_url, "acme")
+    response = await client.post("/v1/locks", content=raw, headers={"Authorization": f"Bearer {key}"})
     assert response.status_code == 201
 
 
@@ -424,7 +431,7 @@ async def test_a_database_that_stops_answering_is_503_not_a_hang(db_url: str) ->
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://t") as c,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as c,
     ):
         await acquire(c)
         proxy.freeze()
@@ -443,7 +450,7 @@ async def test_readyz_is_503_until_migrated(empty_db_url: str) -> None:
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://t") as c,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as c,
     ):
         problem = assert_problem(await c.get("/readyz"), 503)
         assert "0001_job_locks.sql" in problem["detail"]
@@ -456,7 +463,7 @@ async def test_database_unreachable_is_503_with_retry_after_quickly(db_url: str)
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://t") as c,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as c,
     ):
         grant = await acquire(c)
         await proxy.cut()

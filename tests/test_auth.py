@@ -54,7 +54,7 @@ async def app_client(db_url: str, api_keys: Keys) -> AsyncIterator[httpx.AsyncCl
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://t") as http,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as http,
     ):
         yield http
 
@@ -190,7 +190,7 @@ async def test_last_use_is_recorded(db_url: str, api_keys: Keys, conn: psycopg.C
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://t") as http,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as http,
     ):
         assert (await http.get("/v1/locks", headers=bearer(api_keys.own))).status_code == 200
     # Flushed at the latest when the process stops.
@@ -205,7 +205,7 @@ async def test_anonymous_is_served_only_while_allowed_and_no_key_exists(db_url: 
         transport = httpx.ASGITransport(app=app)
         async with (
             app.router.lifespan_context(app),
-            httpx.AsyncClient(transport=transport, base_url="http://t") as c,
+            httpx.AsyncClient(transport=transport, base_url="http://localhost") as c,
         ):
             response = await c.get("/v1/locks")
             assert response.status_code == (200 if allowed else 401)
@@ -232,7 +232,7 @@ async def test_an_idempotency_key_replays_only_to_the_same_api_key(db_url: str, 
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://t") as c,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as c,
     ):
         body = {"organization_id": "acme", "job_type": "idem", "holder": "w", "ttl_seconds": 30}
         first = await c.post("/v1/locks", json=body, headers={**bearer(api_keys.own), "Idempotency-Key": "k"})

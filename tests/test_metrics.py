@@ -49,7 +49,7 @@ async def app_client(db_url: str, admin: str, **settings: Any) -> AsyncIterator[
     headers = {"Authorization": f"Bearer {admin}"}
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://helix.test", headers=headers) as http,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost", headers=headers) as http,
     ):
         yield http
 

@@ -74,7 +74,7 @@ async def service(db_url: str, **settings: Any) -> AsyncIterator[httpx.AsyncClie
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://helix.test", timeout=30) as http,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as http,
     ):
         yield http
 
@@ -203,7 +203,7 @@ async def test_an_app_built_behind_a_pooler_without_a_direct_url_answers_503_not
     statuses: Counter[int] = Counter()
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://t") as http,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as http,
     ):
         for batch in range(10):  # two connections at once, each with its own _pg3_0, _pg3_1...
             if batch == 5:  # new server connections behind the pooler: what was prepared is gone

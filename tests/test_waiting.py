@@ -103,7 +103,7 @@ async def test_beyond_the_waiter_cap_the_answer_is_503(db_url: str) -> None:
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://t") as c,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost") as c,
     ):
         await grant(c, "holder")
         waiting = asyncio.create_task(c.post("/v1/locks", json=body("one", wait=1)))
@@ -146,7 +146,7 @@ def test_a_waiter_whose_client_left_does_not_keep_the_lock(db_url: str, tmp_path
         payload = json.dumps(body("leaver", wait=20)).encode()
         with socket.create_connection(("127.0.0.1", port)) as raw:
             raw.sendall(
-                b"POST /v1/locks HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"POST /v1/locks HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                 + f"Content-Length: {len(payload)}\r\n\r\n".encode()
                 + payload
             )
@@ -165,7 +165,7 @@ def test_a_waiter_whose_client_left_does_not_keep_the_lock(db_url: str, tmp_path
 async def test_stopping_the_service_answers_waiting_requests(db_url: str) -> None:
     app = create_app(ROUTE.settings(db_url, allow_anonymous=True))
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
         async with app.router.lifespan_context(app):
             await grant(c, "holder")
             waiting = asyncio.create_task(c.post("/v1/locks", json=body("waiter", wait=30)))
@@ -302,7 +302,7 @@ async def test_one_organization_filling_its_waiting_share_leaves_the_others_thei
     transport = httpx.ASGITransport(app=app)
     async with (
         app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://t", timeout=30) as c,
+        httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as c,
     ):
         for org in ("acme", "globex"):
             held = await c.post("/v1/locks", json={**body("holder"), "organization_id": org})
