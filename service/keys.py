@@ -78,15 +78,36 @@ def key_id(key: str) -> str | None:
     return match.group(1) if match else None
 
 
+def new_key() -> str:
+    """A fresh key, stored nowhere (yet)."""
+    return f"{PREFIX}{secrets.token_hex(6)}_{secrets.token_urlsafe(32)}"
+
+
 def create(conninfo: str, organization_id: str | None) -> str:
     """Store a new key for the organization (None: an admin key) and return it, once."""
-    new_id = secrets.token_hex(6)
-    key = f"{PREFIX}{new_id}_{secrets.token_urlsafe(32)}"
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        conn.execute(
-            queries.CREATE_KEY, {"id": new_id, "organization_id": organization_id, "key_hash": digest(key)}
-        )
+    key = new_key()
+    store(conninfo, key, organization_id)
     return key
+
+
+def store(conninfo: str, key: str, organization_id: str | None, *, unless_any: bool = False) -> bool:
+    """Store a given, well-formed key; with unless_any, only while no key exists at all (revoked
+    ones included). True if it was stored. A key whose id is taken raises UniqueViolation."""
+    stored_id = key_id(key)
+    if stored_id is None:
+        raise ValueError("not a well-formed API key")
+    with psycopg.connect(conninfo, autocommit=True) as conn, conn.transaction():
+        if unless_any:
+            # Two bootstraps at once must not both find the table empty: the second waits here
+            # until the first has committed its key.
+            conn.execute(queries.LOCK_KEYS)
+            row = conn.execute(queries.KEYS_EXIST).fetchone()
+            if row and row[0]:
+                return False
+        conn.execute(
+            queries.CREATE_KEY, {"id": stored_id, "organization_id": organization_id, "key_hash": digest(key)}
+        )
+    return True
 
 
 def listing(conninfo: str) -> list[KeyInfo]:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psycopg
 
 from service import keys
 from tests.support import ROOT, helix_command, running_service
@@ -103,3 +104,82 @@ def test_insecure_serves_anonymously_on_a_public_address_with_a_warning(db_url: 
     ):
         assert httpx.get(f"{url}/v1/locks", timeout=10).status_code == 200
     assert "--insecure" in log.read_text()
+
+
+def stored_keys(database_url: str) -> dict[str, tuple[str | None, bytes]]:
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        rows = conn.execute("SELECT id, organization_id, key_hash FROM helix_api_keys").fetchall()
+    return {row[0]: (row[1], row[2]) for row in rows}
+
+
+def key_file(tmp_path: Path, name: str, database_url: str) -> tuple[Path, str]:
+    made = helix("keys", "new", database_url=database_url)
+    assert made.returncode == 0, made.stderr
+    path = tmp_path / name
+    path.write_text(made.stdout)
+    return path, made.stdout.strip()
+
+
+def test_new_prints_a_fresh_key_and_needs_no_database() -> None:
+    nowhere = "postgresql://nobody@127.0.0.1:1/nothing"
+    first, second = (helix("keys", "new", database_url=nowhere) for _ in range(2))
+    assert first.returncode == second.returncode == 0, first.stderr
+    assert KEY_PATTERN.match(first.stdout.strip()) and first.stdout.endswith("\n")
+    assert first.stdout != second.stdout
+
+
+def test_create_from_file_stores_that_key_and_never_prints_it(db_url: str, tmp_path: Path) -> None:
+    path, key = key_file(tmp_path, "admin-key", db_url)
+    created = helix("keys", "create", "--admin", "--from-file", str(path), database_url=db_url)
+    assert created.returncode == 0, created.stderr
+    key_id = keys.key_id(key)
+    assert created.stdout == f"stored key {key_id}\n"
+    assert key not in created.stdout + created.stderr
+    assert stored_keys(db_url) == {key_id: (None, keys.digest(key))}
+
+    again = helix("keys", "create", "--admin", "--from-file", str(path), database_url=db_url)
+    assert again.returncode == 1
+    assert f"a key with id {key_id} exists already" in again.stderr
+    assert "Traceback" not in again.stderr
+
+
+def test_if_none_bootstraps_a_fresh_database_once(empty_db_url: str, tmp_path: Path) -> None:
+    first, first_key = key_file(tmp_path, "first", empty_db_url)
+    second, _ = key_file(tmp_path, "second", empty_db_url)
+    first_id = keys.key_id(first_key) or ""
+    bootstrap = ("keys", "create", "--admin", "--if-none", "--from-file")
+    created = helix(*bootstrap, str(first), database_url=empty_db_url)
+    assert created.returncode == 0, created.stderr
+    assert stored_keys(empty_db_url) == {first_id: (None, keys.digest(first_key))}
+
+    for state in ("live", "revoked"):  # revoking every key must not reopen the bootstrap either
+        if state == "revoked":
+            assert helix("keys", "revoke", first_id, database_url=empty_db_url).returncode == 0
+        skipped = helix(*bootstrap, str(second), database_url=empty_db_url)
+        assert skipped.returncode == 0, skipped.stderr
+        assert skipped.stdout == ""
+        assert "an API key exists already" in skipped.stderr
+        assert list(stored_keys(empty_db_url)) == [first_id], state
+
+
+def test_create_from_file_refuses_what_is_not_a_key(db_url: str, tmp_path: Path) -> None:
+    _, key = key_file(tmp_path, "good", db_url)
+    contents = {
+        "empty": "",
+        "short": "hlk_0123456789ab_tooshort\n",
+        "uppercase-id": key.replace(key[4:16], "0123456789AB") + "\n",
+        "two-keys": f"{key}\n{key}\n",
+        "trailing": key + "=\n",
+    }
+    for name, content in contents.items():
+        (tmp_path / name).write_text(content)
+    paths = {tmp_path / name: "does not hold an API key" for name in contents}
+    paths |= {tmp_path / "missing": "cannot read an API key", tmp_path: "cannot read an API key"}
+    for path, reason in paths.items():
+        refused = helix("keys", "create", "--admin", "--from-file", str(path), database_url=db_url)
+        assert refused.returncode != 0, path
+        assert reason in refused.stderr, (path, refused.stderr)
+        assert "Traceback" not in refused.stderr, path
+        assert refused.stdout == "", path
+        assert key not in refused.stderr, path
+    assert stored_keys(db_url) == {}

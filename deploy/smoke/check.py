@@ -1,7 +1,6 @@
 """Drives a running Helix Locks deployment through its balancer, as scripts/compose-smoke does.
 
-    python3 deploy/smoke/check.py http://127.0.0.1:8080            # before any API key exists
-    python3 deploy/smoke/check.py http://127.0.0.1:8080 KEY        # once KEY (an admin key) exists
+    python3 deploy/smoke/check.py http://127.0.0.1:8080 KEY_FILE   # the admin key compose stored
 
 Standard library only, so it runs before any virtual environment exists. Exits non-zero on the
 first thing that is not as the contract says.
@@ -16,8 +15,12 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-BASE = sys.argv[1].rstrip("/") if len(sys.argv) > 1 else "http://127.0.0.1:8080"
-KEY = sys.argv[2] if len(sys.argv) > 2 else None
+if len(sys.argv) != 3:
+    sys.exit(__doc__)
+BASE = sys.argv[1].rstrip("/")
+# From a file: argv is for everyone to see in `ps`.
+with open(sys.argv[2]) as key_file:
+    KEY = key_file.read().strip()
 
 
 def call(
@@ -27,21 +30,26 @@ def call(
     token: str | None = None,
     key: str | None = None,
 ) -> tuple[int, Any, Any]:
-    """(status, JSON body or None, headers) of one request."""
+    """(status, JSON body or None, headers) of one request; the key is the admin key unless given
+    ("" for none)."""
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Lock-Token"] = token
+    key = KEY if key is None else key
     if key:
         headers["Authorization"] = f"Bearer {key}"
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(BASE + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
-            raw = response.read()
-            return response.status, json.loads(raw) if raw else None, response.headers
+            return response.status, parsed(response.read(), response.headers), response.headers
     except urllib.error.HTTPError as error:
-        raw = error.read()
-        return error.code, json.loads(raw) if raw else None, error.headers
+        return error.code, parsed(error.read(), error.headers), error.headers
+
+
+def parsed(raw: bytes, headers: Any) -> Any:
+    """The JSON body; None for an empty one, or for the balancer's own (HTML) answers."""
+    return json.loads(raw) if raw and "json" in headers.get("Content-Type", "") else None
 
 
 def expect(condition: bool, what: str) -> None:
@@ -54,19 +62,20 @@ def lock(holder: str, ttl: float = 30, job_type: str = "nightly-report") -> dict
     return {"organization_id": "acme", "job_type": job_type, "holder": holder, "ttl_seconds": ttl}
 
 
-def keyed(key: str) -> None:
-    status, _, headers = call("GET", "/v1/locks")
-    expect(status == 401 and headers["WWW-Authenticate"] == "Bearer", "once a key exists, anonymous is 401")
-    status, grant, _ = call("POST", "/v1/locks", lock("keyed-worker", job_type="keyed"), key=key)
-    expect(status == 201, "the admin key acquires")
-    status, _, _ = call("DELETE", f"/v1/locks/{grant['id']}", key=key, token=grant["token"])
-    expect(status == 204, "and releases")
+def never_open() -> None:
+    """What the balancer publishes to anyone: no lock without a key, no metrics."""
+    status, _, headers = call("GET", "/v1/locks", key="")
+    expect(status == 401 and headers["WWW-Authenticate"] == "Bearer", "anonymous is 401 from the start")
+    status, _, _ = call("POST", "/v1/locks", lock("anonymous"), key="")
+    expect(status == 401, "an anonymous acquire is 401")
+    status, _, _ = call("GET", "/v1/locks", key=KEY[:-1] + ("A" if KEY[-1] != "A" else "B"))
+    expect(status == 401, "a key that is not the stored one is 401")
+    for path in ("/metrics", "/metrics/", "//metrics"):
+        status, _, _ = call("GET", path, key="")
+        expect(status == 404, f"the balancer does not publish {path}")
 
 
 def main() -> None:
-    if KEY:
-        keyed(KEY)
-        return
     deadline = time.monotonic() + 120
     while True:
         try:
@@ -78,6 +87,7 @@ def main() -> None:
             sys.exit("compose-smoke: FAILED: the balancer never answered /readyz with 200")
         time.sleep(1)
     expect(True, "ready through the balancer")
+    never_open()
 
     status, grant, headers = call("POST", "/v1/locks", lock("worker-1"))
     expect(status == 201 and headers["Location"] == f"/v1/locks/{grant['id']}", "acquire answers 201")
