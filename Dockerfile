@@ -8,7 +8,7 @@ RUN python3 -m venv /opt/helix-locks
 COPY pyproject.toml README.md ./
 COPY service ./service
 COPY migrations ./migrations
-RUN /opt/helix-locks/bin/pip install --no-cache-dir --disable-pip-version-check .
+RUN /opt/helix-locks/bin/pip install --no-cache-dir --disable-pip-version-check '.[server]'
 
 FROM ${BASE}
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin helix

@@ -59,9 +59,10 @@ from psycopg.conninfo import make_conninfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # PgBouncer, as the tests run it
 
-from service import keys, queries
-from service.embedded import DIRECT_DATABASE_URL
-from service.migrate import migrate
+from helix_locks import keys, queries
+from helix_locks.embedded import DIRECT_DATABASE_URL
+from helix_locks.migrate import migrate
+
 from tests.support import pgbouncer, through
 
 CPUS = os.cpu_count() or 1
@@ -280,7 +281,7 @@ def check_plans(url: str) -> str:
     )
 
 
-# Listings of one organization as service/locks.py sends them: (what, statement, the index whose
+# Listings of one organization as service/helix_locks/locks.py sends them: (what, statement, the index whose
 # range it must read in order, up to LIMIT). The parameters' types are those psycopg sends.
 LISTINGS = [
     ("history", queries.LIST_HISTORY, "helix_job_locks_history_by_organization"),
@@ -394,7 +395,7 @@ def service_process(
     `env` is laid over DATABASE_URL=url."""
     port = free_port()
     installed = Path(sys.executable).with_name("helix-locks")
-    command = [str(installed)] if installed.exists() else [sys.executable, "-m", "service.cli"]
+    command = [str(installed)] if installed.exists() else [sys.executable, "-m", "helix_locks.cli"]
     command += ["serve", "--port", str(port), "--workers", str(workers)]
     with log_path.open("wb") as log:
         # Its own session: Ctrl-C reaches only us, and we stop it in order.

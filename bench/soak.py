@@ -24,8 +24,9 @@ from run import bench_database, interrupted, log, percentile, service_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' load and checker
 
-from service import keys
-from service.migrate import migrate
+from helix_locks import keys
+from helix_locks.migrate import migrate
+
 from tests.history import check, database_history
 from tests.load import Load
 

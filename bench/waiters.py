@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from helix_locks.migrate import migrate
 from psycopg.conninfo import make_conninfo
 from run import (
     BenchError,
@@ -48,8 +49,6 @@ from run import (
     run_loop,
     service_process,
 )
-
-from service.migrate import migrate
 
 WAIT_SECONDS = 60
 # A backend reports its transaction counts to pg_stat_database at most once a second, and when it

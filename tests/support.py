@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from helix_locks.embedded import DIRECT_DATABASE_URL
+from helix_locks.settings import Settings
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
-from service.embedded import DIRECT_DATABASE_URL
-from service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +42,7 @@ def free_port() -> int:
 
 def helix_command(*args: str) -> list[str]:
     """`helix-locks ARGS` run by this interpreter, so the tests need nothing on PATH."""
-    return [sys.executable, "-m", "service.cli", *args]
+    return [sys.executable, "-m", "helix_locks.cli", *args]
 
 
 def wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout: float = 60) -> None:

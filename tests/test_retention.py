@@ -7,10 +7,9 @@ from typing import Any
 
 import psycopg
 import pytest
-
-from service.db import Database, create_pool
-from service.retention import Pruner
-from service.settings import Settings
+from helix_locks.db import Database, create_pool
+from helix_locks.retention import Pruner
+from helix_locks.settings import Settings
 
 pytestmark = pytest.mark.anyio
 Conn = psycopg.Connection[Any]

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from service.locks import Grant, Lock, Renewal, State, storable_text
+from helix_locks.locks import Grant, Lock, Renewal, State, storable_text
 
 METADATA_MAX_BYTES = 8 * 1024
 # Deeper JSON than this is refused: it could be stored but not serialized back (pydantic stops

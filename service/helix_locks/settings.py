@@ -46,7 +46,7 @@ class Settings(BaseSettings):
     # Of those, one organization's at most; beyond it, 429 for that organization alone.
     max_waiters_per_organization: int = Field(default=1_000, ge=0)
     # Live locks (held, or lapsed and not yet reclaimed) of one organization; beyond it, 429. The
-    # count is approximate (service/locks.py, LiveLockQuota).
+    # count is approximate (locks.py, LiveLockQuota).
     max_live_locks_per_organization: int = Field(default=10_000, ge=1)
 
     @property
@@ -72,7 +72,7 @@ class Settings(BaseSettings):
 
 
 class EdgeSettings(BaseSettings):
-    """The HTTP server's bounds on clients (service/edge.py); each can be set as HELIX_LOCKS_<NAME>."""
+    """The HTTP server's bounds on clients (edge.py); each can be set as HELIX_LOCKS_<NAME>."""
 
     model_config = SettingsConfigDict(env_prefix="HELIX_LOCKS_", extra="ignore", frozen=True)
 

@@ -16,10 +16,10 @@ from typing import Any, Literal
 from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
-from service import queries
-from service.db import Database
-from service.errors import Forbidden, InvalidArgument, LockError, LockNotFound, QuotaExceeded
-from service.keys import Caller
+from helix_locks import queries
+from helix_locks.db import Database
+from helix_locks.errors import Forbidden, InvalidArgument, LockError, LockNotFound, QuotaExceeded
+from helix_locks.keys import Caller
 
 State = Literal["held", "expired", "released", "reclaimed"]
 LIVE_STATES: tuple[State, ...] = ("held", "expired")
@@ -354,7 +354,7 @@ class Locks:
         else:
             params.update(after_released_at=after[0], after_id=after[1])
         # A statement of its own for each kind, so that its plan, generic too, scans one range of
-        # an index within the organization (service/queries.py).
+        # an index within the organization (queries.py).
         if organization_id is None:  # an admin's, across organizations
             statement = (
                 queries.LIST_LIVE_ALL_ORGANIZATIONS if live else queries.LIST_HISTORY_ALL_ORGANIZATIONS

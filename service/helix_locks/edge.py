@@ -26,7 +26,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.settings import EdgeSettings
+from helix_locks.settings import EdgeSettings
 
 
 @functools.cache

@@ -8,8 +8,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from service import logs
-from service.errors import (
+from helix_locks import logs
+from helix_locks.errors import (
     DatabaseUnavailable,
     EmptyResult,
     Forbidden,

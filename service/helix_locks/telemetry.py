@@ -27,9 +27,9 @@ from prometheus_client import (
 )
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import logs, problems, queries
-from service.db import Database, Pool
-from service.errors import LockError, ShuttingDown
+from helix_locks import logs, problems, queries
+from helix_locks.db import Database, Pool
+from helix_locks.errors import LockError, ShuttingDown
 
 logger = logging.getLogger("helix_locks.requests")
 

@@ -14,8 +14,8 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from service import queries
-from service.errors import (
+from helix_locks import queries
+from helix_locks.errors import (
     DatabaseUnavailable,
     EmptyResult,
     InvalidArgument,
@@ -25,7 +25,7 @@ from service.errors import (
     LockNotFound,
     TokenMismatch,
 )
-from service.settings import Settings
+from helix_locks.settings import Settings
 
 Pool = AsyncConnectionPool[psycopg.AsyncConnection[DictRow]]
 

@@ -104,7 +104,7 @@ WHERE organization_id = %(organization_id)s
 """
 )
 
-# The live-lock quota (service/locks.py): an organization's live locks, counted on the live-lock
+# The live-lock quota (locks.py): an organization's live locks, counted on the live-lock
 # index, and whether one key has a live lock (a grant for it then adds none).
 COUNT_LIVE_IN_ORGANIZATION = """
 SELECT count(*) AS live
@@ -121,7 +121,7 @@ SELECT EXISTS (
 # clock_timestamp(), so PostgreSQL never merges the view into a query, and an ORDER BY over it
 # sorts every row that matches rather than reading an index in order up to LIMIT. The columns are
 # the view's (migration 0003) for the rows each listing lists. One statement per kind of listing
-# (service/locks.py picks it), and none tests `%(x)s IS NULL OR` on the organization or job
+# (locks.py picks it), and none tests `%(x)s IS NULL OR` on the organization or job
 # type: a generic plan (a prepared statement after a few executions) cannot bound an index scan
 # by such a test, and would read every organization's rows. An organization's listing is one
 # range of an index that starts with organization_id (for history, migration 0011's) and stops
@@ -198,9 +198,9 @@ LIST_HISTORY_ALL_ORGANIZATIONS = (
 )
 
 
-# API keys (service/keys.py). Changing the table notifies every service process (a trigger).
+# API keys (keys.py). Changing the table notifies every service process (a trigger).
 KEYS_CHANNEL = "helix_api_keys"
-# Ends of locks (service/waiting.py); payload "organization_id/job_type".
+# Ends of locks (waiting.py); payload "organization_id/job_type".
 RELEASED_CHANNEL = "helix_lock_released"
 ALL_KEYS = "SELECT id, organization_id, key_hash, revoked_at IS NOT NULL AS revoked FROM helix_api_keys"
 KEY_BY_ID = (
@@ -222,7 +222,7 @@ LOCK_KEYS = "LOCK TABLE helix_api_keys IN SHARE ROW EXCLUSIVE MODE"
 # Last use is recorded in batches, to the nearest few seconds, not as a write per request.
 TOUCH_KEYS = "SELECT helix_touch_api_keys(%(ids)s) AS touched"
 
-# Notifications (service/listener.py); the channel is an identifier, composed safely.
+# Notifications (listener.py); the channel is an identifier, composed safely.
 LISTEN = sql.SQL("LISTEN {}")
 PING = "SELECT 1"
 # The listener's self-test: a notification sent the way the lock functions send theirs (through
@@ -230,17 +230,17 @@ PING = "SELECT 1"
 PROBE_CHANNEL = "helix_listener_probe"
 PROBE = "SELECT pg_notify('helix_listener_probe', %(payload)s) AS sent"
 
-# History retention (service/retention.py): one batch of ended rows older than the window.
+# History retention (retention.py): one batch of ended rows older than the window.
 PRUNE = "SELECT helix_prune_history(%(older_than)s, %(batch)s) AS deleted"
 
-# The held/expired gauges (service/telemetry.py): a scan of the live rows' partial index only.
+# The held/expired gauges (telemetry.py): a scan of the live rows' partial index only.
 COUNT_LIVE = (
     "SELECT count(*) FILTER (WHERE expires_at > clock_timestamp()) AS held,"
     " count(*) FILTER (WHERE expires_at <= clock_timestamp()) AS expired"
     " FROM helix_job_locks WHERE released_at IS NULL"
 )
 
-# Migration bookkeeping (service/migrate.py).
+# Migration bookkeeping (migrate.py).
 MIGRATION_LOCK = "SELECT pg_advisory_lock(%(key)s)"
 MIGRATION_UNLOCK = "SELECT pg_advisory_unlock(%(key)s)"
 CREATE_MIGRATIONS_TABLE = """

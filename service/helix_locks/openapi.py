@@ -1,12 +1,12 @@
-"""The app's OpenAPI document, checked in as openapi.json: `python -m service.openapi` rewrites it."""
+"""The app's OpenAPI document, checked in as openapi.json: `python -m helix_locks.openapi` rewrites it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from service.app import create_app
-from service.settings import Settings
+from helix_locks.app import create_app
+from helix_locks.settings import Settings
 
 PATH = Path(__file__).resolve().parent.parent / "openapi.json"
 

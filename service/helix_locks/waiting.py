@@ -19,14 +19,14 @@ from typing import Any
 
 import psycopg
 
-from service.errors import (
+from helix_locks.errors import (
     DatabaseUnavailable,
     LockHeld,
     OrganizationWaitersFull,
     TooManyWaiters,
     WaitInterrupted,
 )
-from service.locks import Grant
+from helix_locks.locks import Grant
 
 Key = tuple[str, str]
 # A timer at the holder's expiry fires this much later, so that the lease has surely run out.

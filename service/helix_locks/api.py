@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
-from service import logs, migrate, problems
-from service.errors import (
+from helix_locks import logs, migrate, problems
+from helix_locks.errors import (
     DatabaseUnavailable,
     Forbidden,
     InvalidArgument,
@@ -35,9 +35,9 @@ from service.errors import (
     Unauthenticated,
     UnsupportedMediaType,
 )
-from service.keys import ANONYMOUS, Caller, KeyRing
-from service.locks import Grant, Locks, State
-from service.schemas import (
+from helix_locks.keys import ANONYMOUS, Caller, KeyRing
+from helix_locks.locks import Grant, Locks, State
+from helix_locks.schemas import (
     AcquireRequest,
     GrantBody,
     Identifier,
@@ -48,8 +48,8 @@ from service.schemas import (
     RenewRequest,
     ttl_ms,
 )
-from service.telemetry import Metrics
-from service.waiting import Waiters
+from helix_locks.telemetry import Metrics
+from helix_locks.waiting import Waiters
 
 BIGINT_MAX = 2**63 - 1
 

@@ -21,15 +21,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service import api, problems, queries, telemetry
-from service.db import Database, create_pool
-from service.errors import DatabaseUnavailable, EmptyResult, LockError, UnsupportedMediaType
-from service.keys import KeyRing
-from service.listener import Listener
-from service.locks import LiveLockQuota, Locks
-from service.retention import Pruner
-from service.settings import Settings
-from service.waiting import Waiters
+from helix_locks import api, problems, queries, telemetry
+from helix_locks.db import Database, create_pool
+from helix_locks.errors import DatabaseUnavailable, EmptyResult, LockError, UnsupportedMediaType
+from helix_locks.keys import KeyRing
+from helix_locks.listener import Listener
+from helix_locks.locks import LiveLockQuota, Locks
+from helix_locks.retention import Pruner
+from helix_locks.settings import Settings
+from helix_locks.waiting import Waiters
 
 MAX_BODY_BYTES = 64 * 1024
 logger = logging.getLogger("helix_locks")

@@ -17,7 +17,7 @@ import threading
 import time
 from types import FrameType
 
-from service.client import HelixError, Lease, LockClient, LockHeld, LockLost
+from helix_locks.client import HelixError, Lease, LockClient, LockHeld, LockLost
 
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE
 EXIT_HELD = 75  # EX_TEMPFAIL: try again later

