@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -287,3 +289,39 @@ def test_run_reads_its_key_from_a_file_and_keeps_it_from_the_command(db_url: str
         _, err = refused.communicate(timeout=30)
     assert seen.read_text().split() == ["none", "none", key]
     assert refused.returncode != 0 and "cannot read an API key" in err and "Traceback" not in err
+
+
+# --- the client verbs ----------------------------------------------------------------------------
+
+
+def helix(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HELIX_LOCKS_URL": url}
+    command = [sys.executable, "-m", "helix_locks.cli", *args]
+    return subprocess.run(command, env=env, cwd=ROOT, text=True, capture_output=True, timeout=60)
+
+
+def test_the_client_verbs_print_json_release_and_current_included(db_url: str, tmp_path: Path) -> None:
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        acquired = helix(url, "acquire", "--org", "acme", "--job-type", "verbs")
+        assert acquired.returncode == 0, acquired.stderr
+        grant = json.loads(acquired.stdout)
+        current = helix(url, "current", "--org", "acme", "--job-type", "verbs")
+        assert current.returncode == 0 and json.loads(current.stdout)["id"] == grant["id"]
+        released = helix(url, "release", str(grant["id"]), "--token", grant["token"])
+        assert released.returncode == 0, released.stderr
+        lock = json.loads(released.stdout)
+        assert (lock["id"], lock["state"], lock["release_reason"]) == (grant["id"], "released", "released")
+        none = helix(url, "current", "--org", "acme", "--job-type", "verbs")
+        assert none.returncode == 1 and none.stdout == "" and "no lock is held" in none.stderr
+
+
+def test_run_against_a_refused_connection_says_so_and_exits_69_at_once() -> None:
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]  # bound, never listening: connections are refused
+        started = time.monotonic()
+        result = helix(f"http://127.0.0.1:{port}", "run", "--org", "acme", "--job-type", "x", "--", "true")
+        took = time.monotonic() - started
+    assert result.returncode == 69, result.stderr
+    assert "refused the connection" in result.stderr
+    assert took < 5, f"took {took:.1f} s"

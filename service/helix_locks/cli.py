@@ -57,7 +57,8 @@ def _print_json(value: object) -> None:
 
 
 def client_command(args: argparse.Namespace) -> int:
-    """acquire, renew, release, list: JSON on standard output, the problem on standard error."""
+    """acquire, renew, release, list, current: JSON on standard output, the problem on standard
+    error."""
     with _client(args) as client:
         try:
             if args.command == "acquire":
@@ -67,6 +68,13 @@ def client_command(args: argparse.Namespace) -> int:
                 _print_json(client.renew(args.lock_id, args.token, args.ttl))
             elif args.command == "release":
                 client.release(args.lock_id, args.token)
+                _print_json(client.get(args.lock_id))  # as it ended: state, released_at
+            elif args.command == "current":
+                held = client.current(args.org, args.job_type)
+                if held is None:
+                    print(f"helix-locks: no lock is held for {args.org}/{args.job_type}", file=sys.stderr)
+                    return 1
+                _print_json(held)
             else:
                 params = {"organization_id": args.org, "job_type": args.job_type, "state": args.state}
                 _print_json(client.list(**{k: v for k, v in params.items() if v is not None}))
@@ -205,6 +213,13 @@ def parser() -> argparse.ArgumentParser:
             command.add_argument("--ttl", type=float, default=30.0, help="new lease in seconds")
         client_options(command)
         command.set_defaults(handler=client_command)
+    current_cmd = commands.add_parser(
+        "current", help="the lock held now for an organization and job type, as JSON (exit 1: none)"
+    )
+    current_cmd.add_argument("--org", required=True, help="organization id")
+    current_cmd.add_argument("--job-type", required=True, help="job type")
+    client_options(current_cmd)
+    current_cmd.set_defaults(handler=client_command)
     list_cmd = commands.add_parser("list", help="list locks as JSON")
     list_cmd.add_argument("--org", default=None)
     list_cmd.add_argument("--job-type", default=None)

@@ -136,6 +136,26 @@ def _is_retryable(error: BaseException | None, response: httpx.Response | None, 
     return idempotent and isinstance(error, httpx.TransportError)
 
 
+# How long an acquire retries a refused connection: a service restarting behind its address
+# takes longer, but a worker pointed at the wrong one should hear so at once.
+REFUSED_WITHIN_SECONDS = 1.0
+
+
+def _refused(error: BaseException | None) -> bool:
+    """Whether a connection was refused: nothing listens at the address (not a slow answer)."""
+    while error is not None:
+        if isinstance(error, ConnectionRefusedError):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _gave_up(base_url: str, within: float, error: BaseException | None) -> Unavailable:
+    if _refused(error):
+        return Unavailable(f"{base_url} refused the connection: is the service running there?")
+    return Unavailable(f"no answer from {base_url} within {within:.1f} s")
+
+
 def _backoff(attempt: int, response: httpx.Response | None) -> float:
     pause = min(MAX_BACKOFF_SECONDS, 0.05 * 2**attempt)
     return _retry_after(response, pause) if response is not None else pause
@@ -247,10 +267,19 @@ class LockClient:
         self.close()
 
     def _send(
-        self, method: str, path: str, *, within: float = 10.0, holding: bool = False, **kwargs: Any
+        self,
+        method: str,
+        path: str,
+        *,
+        within: float = 10.0,
+        refused_within: float | None = None,
+        holding: bool = False,
+        **kwargs: Any,
     ) -> httpx.Response:
-        """One request, retried on network trouble and 503 for at most `within` seconds."""
+        """One request, retried on network trouble and 503 for at most `within` seconds (a
+        refused connection for at most `refused_within`)."""
         deadline = time.monotonic() + within
+        refused_deadline = min(deadline, time.monotonic() + (refused_within or within))
         attempt = 0
         while True:
             response, error = None, None
@@ -266,8 +295,8 @@ class LockClient:
                 _raise_for(response, holding)
                 return response
             pause = _backoff(attempt, response)
-            if time.monotonic() + pause > deadline:
-                raise Unavailable(f"no answer from {self.base_url} within {within:.1f} s") from error
+            if time.monotonic() + pause > (refused_deadline if _refused(error) else deadline):
+                raise _gave_up(self.base_url, within, error) from error
             time.sleep(pause)
             attempt += 1
 
@@ -295,6 +324,8 @@ class LockClient:
                     json=body,
                     headers=headers,
                     within=max(ttl * 0.5, 1.0),
+                    # Nothing listening is said at once: a worker's first contact, not a blip.
+                    refused_within=REFUSED_WITHIN_SECONDS,
                     timeout=self.http.timeout.read + waiting if self.http.timeout.read else None,
                 )
                 return _grant(response.json(), ttl, started)
@@ -409,9 +440,17 @@ class AsyncLockClient:
         await self.aclose()
 
     async def _send(
-        self, method: str, path: str, *, within: float = 10.0, holding: bool = False, **kwargs: Any
+        self,
+        method: str,
+        path: str,
+        *,
+        within: float = 10.0,
+        refused_within: float | None = None,
+        holding: bool = False,
+        **kwargs: Any,
     ) -> httpx.Response:
         deadline = time.monotonic() + within
+        refused_deadline = min(deadline, time.monotonic() + (refused_within or within))
         attempt = 0
         while True:
             response, error = None, None
@@ -427,8 +466,8 @@ class AsyncLockClient:
                 _raise_for(response, holding)
                 return response
             pause = _backoff(attempt, response)
-            if time.monotonic() + pause > deadline:
-                raise Unavailable(f"no answer from {self.base_url} within {within:.1f} s") from error
+            if time.monotonic() + pause > (refused_deadline if _refused(error) else deadline):
+                raise _gave_up(self.base_url, within, error) from error
             await asyncio.sleep(pause)
             attempt += 1
 
@@ -454,6 +493,8 @@ class AsyncLockClient:
                     json=body,
                     headers=headers,
                     within=max(ttl * 0.5, 1.0),
+                    # Nothing listening is said at once: a worker's first contact, not a blip.
+                    refused_within=REFUSED_WITHIN_SECONDS,
                     timeout=self.http.timeout.read + waiting if self.http.timeout.read else None,
                 )
                 return _grant(response.json(), ttl, started)
