@@ -62,7 +62,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # PgBouncer, as
 from helix_locks import keys, queries
 from helix_locks.embedded import DIRECT_DATABASE_URL
 from helix_locks.migrate import migrate
-
 from tests.support import pgbouncer, through
 
 CPUS = os.cpu_count() or 1

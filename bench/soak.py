@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' lo
 
 from helix_locks import keys
 from helix_locks.migrate import migrate
-
 from tests.history import check, database_history
 from tests.load import Load
 

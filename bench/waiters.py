@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from helix_locks.migrate import migrate
 from psycopg.conninfo import make_conninfo
 from run import (
     BenchError,
@@ -49,6 +48,8 @@ from run import (
     run_loop,
     service_process,
 )
+
+from helix_locks.migrate import migrate
 
 WAIT_SECONDS = 60
 # A backend reports its transaction counts to pg_stat_database at most once a second, and when it

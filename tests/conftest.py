@@ -16,11 +16,11 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+from psycopg import sql
+
 from helix_locks import embedded
 from helix_locks.app import create_app
 from helix_locks.migrate import migrate
-from psycopg import sql
-
 from tests.support import ROUTE, pgbouncer, url_for
 
 TEST_DATABASE_URL = "HELIX_TEST_DATABASE_URL"

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
 from helix_locks.embedded import DIRECT_DATABASE_URL
 from helix_locks.settings import Settings
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 ROOT = Path(__file__).resolve().parent.parent
 

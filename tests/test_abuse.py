@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
-from helix_locks import keys
 
+from helix_locks import keys
 from tests.support import ROUTE, running_service
 
 # Short deadlines, so that the tests wait seconds, not the defaults' ten.

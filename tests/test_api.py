@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+
 from helix_locks import keys
 from helix_locks.app import create_app
 from helix_locks.settings import Settings
-
 from tests.support import ROUTE, TcpProxy
 
 pytestmark = pytest.mark.anyio

@@ -15,6 +15,7 @@ import anyio
 import httpx
 import psycopg
 import pytest
+
 from helix_locks import keys
 from helix_locks.app import create_app
 from helix_locks.settings import Settings

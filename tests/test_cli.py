@@ -6,9 +6,9 @@ import os
 import subprocess
 
 import psycopg
+
 from helix_locks import migrate
 from helix_locks.server import is_loopback
-
 from tests.support import ROOT, helix_command
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import anyio
 import psycopg
 import pytest
-from helix_locks.client import AsyncLockClient, LockClient, LockHeld, LockLost
 
+from helix_locks.client import AsyncLockClient, LockClient, LockHeld, LockLost
 from tests.support import ROOT, running_service
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from helix_locks.client import LockClient
 
+from helix_locks.client import LockClient
 from tests.support import ROOT, ROUTE, LyingProxy, helix_command, logged_requests, running_service
 
 Conn = psycopg.Connection[Any]

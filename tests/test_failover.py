@@ -16,9 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from helix_locks import keys
 from helix_locks.migrate import migrate
-
 from tests.history import check, database_history
 from tests.load import Load, Run
 from tests.patroni_cluster import Cluster, patroni_cluster

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import schemathesis
-from helix_locks import keys
-from helix_locks.problems import MEDIA_TYPE
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
 
+from helix_locks import keys
+from helix_locks.problems import MEDIA_TYPE
 from tests.support import ROOT, running_service
 
 schema = schemathesis.openapi.from_path(ROOT / "openapi.json")

@@ -12,11 +12,11 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from psycopg import sql
+
 from helix_locks import keys, queries
 from helix_locks.app import create_app
 from helix_locks.db import Database
-from psycopg import sql
-
 from tests.support import ROUTE, url_for
 
 pytestmark = pytest.mark.anyio

@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 import psycopg
-from helix_locks import keys
 
+from helix_locks import keys
 from tests.support import logged_requests, running_service
 from tests.test_api import lock_body
 

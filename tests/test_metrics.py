@@ -12,11 +12,11 @@ import anyio
 import httpx
 import psycopg
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
 from helix_locks import keys, telemetry
 from helix_locks.app import create_app
 from helix_locks.settings import Settings
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.support import running_service
 from tests.test_api import expire, lock_body
 

@@ -6,6 +6,7 @@ import threading
 
 import psycopg
 import pytest
+
 from helix_locks import migrate, queries
 
 NAMES = [m.name for m in migrate.load()]

@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+
 from helix_locks import embedded
 from helix_locks.migrate import migrate
-
 from tests.support import children, running_service
 from tests.test_api import lock_body
 

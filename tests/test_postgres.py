@@ -23,13 +23,13 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
 from helix_locks import queries
 from helix_locks.app import create_app
 from helix_locks.embedded import DIRECT_DATABASE_URL
 from helix_locks.settings import Settings
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
 from tests.history import Told, check, database_history
 from tests.support import PGBOUNCER, ROUTE, free_port, helix_command, pgbouncer, running_service, through
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import psycopg
 import pytest
+
 from helix_locks.db import Database, create_pool
 from helix_locks.retention import Pruner
 from helix_locks.settings import Settings

@@ -15,11 +15,11 @@ from typing import Any, cast
 import httpx
 import psycopg
 import pytest
+
 from helix_locks.app import create_app
 from helix_locks.errors import DatabaseUnavailable, LockHeld
 from helix_locks.locks import Grant
 from helix_locks.waiting import Waiters
-
 from tests.support import ROUTE, running_service
 
 pytestmark = pytest.mark.anyio

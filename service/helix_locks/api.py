@@ -262,6 +262,7 @@ router = APIRouter(prefix="/v1", tags=["locks"])
     status_code=201,
     response_model=GrantBody,
     summary="Acquire a lock",
+    operation_id="acquireLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The lock, granted to you; Location names it.",
     responses={
@@ -374,6 +375,7 @@ async def _wait_for(
     "/locks",
     response_model=PageBody,
     summary="List locks",
+    operation_id="listLocks",
     openapi_extra=BEARER_REQUIRED,
     response_description="One page of locks.",
     responses=_problems("unauthenticated", "invalid-request", "database-unavailable"),
@@ -409,6 +411,7 @@ async def list_locks(
     "/locks/current",
     response_model=LockBody,
     summary="The lock held now for a key",
+    operation_id="currentLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The held lock; check its fencing_token.",
     responses=_problems("unauthenticated", "lock-not-found", "invalid-request", "database-unavailable"),
@@ -423,6 +426,7 @@ async def current(request: Request, organization_id: Identifier, job_type: Ident
     "/locks/{lock_id}",
     response_model=LockBody,
     summary="Get one lock",
+    operation_id="getLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The lock.",
     responses=_problems("unauthenticated", "lock-not-found", "database-unavailable"),
@@ -437,6 +441,7 @@ async def get_lock(request: Request, lock_id: LockIdPath) -> Response:
     "/locks/{lock_id}",
     status_code=204,
     summary="Release a lock",
+    operation_id="releaseLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="Released (also when its lease had lapsed but nobody had reclaimed it).",
     responses=_problems(
@@ -479,6 +484,7 @@ async def release(
     "/locks/{lock_id}/renew",
     response_model=RenewalBody,
     summary="Renew a lease (heartbeat)",
+    operation_id="renewLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The lock with its new expires_at; lapsed says whether the lease had run out.",
     responses=_problems(
@@ -522,13 +528,18 @@ async def _naming_the_lock(session: Session, lock_id: int) -> AsyncIterator[None
 health = APIRouter(tags=["service"])
 
 
-@health.get("/healthz", summary="Liveness")
+@health.get("/healthz", summary="Liveness", operation_id="healthz")
 async def healthz() -> dict[str, Literal["ok"]]:
     """The process is alive."""
     return {"status": "ok"}
 
 
-@health.get("/readyz", summary="Readiness", responses=_problems("database-unavailable", "not-migrated"))
+@health.get(
+    "/readyz",
+    summary="Readiness",
+    operation_id="readyz",
+    responses=_problems("database-unavailable", "not-migrated"),
+)
 async def readyz(request: Request) -> dict[str, Literal["ready"]]:
     """The database answers and every migration of this build is applied."""
     await migrate.check_ready(request.app.state.locks.db)
@@ -538,6 +549,7 @@ async def readyz(request: Request) -> dict[str, Literal["ready"]]:
 @health.get(
     "/metrics",
     summary="Metrics",
+    operation_id="metrics",
     response_class=PlainTextResponse,
     openapi_extra=BEARER_REQUIRED,
     responses={

@@ -8,7 +8,7 @@ from pathlib import Path
 from helix_locks.app import create_app
 from helix_locks.settings import Settings
 
-PATH = Path(__file__).resolve().parent.parent / "openapi.json"
+PATH = Path(__file__).resolve().parents[2] / "openapi.json"  # at the source tree's root
 
 
 def document() -> str:
