@@ -17,9 +17,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from swagger_ui_bundle import swagger_ui_path
 
 from helix_locks import api, problems, queries, telemetry
 from helix_locks.db import Database, create_pool
@@ -238,6 +241,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await db.close()
 
     app = FastAPI(
+        docs_url=None,  # served below, with Swagger UI's files from the package
+        redoc_url=None,
         title="Helix Locks",
         version="0.1.0",
         summary="A lock authority for background workers: one job per organization and job type at once.",
@@ -250,6 +255,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.include_router(api.router)
     app.include_router(api.health)
+    # /docs from files of our own, not a CDN: it works where the service's users have no internet.
+    app.mount("/docs/assets", StaticFiles(directory=swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title="Helix Locks",
+            swagger_js_url="/docs/assets/swagger-ui-bundle.js",
+            swagger_css_url="/docs/assets/swagger-ui.css",
+            swagger_favicon_url="/docs/assets/favicon-32x32.png",
+        )
+
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(LockError, _domain_error)
     app.add_exception_handler(HTTPException, _http_error)
