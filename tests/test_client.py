@@ -12,11 +12,9 @@ import threading
 import time
 from pathlib import Path
 
-import anyio
 import psycopg
-import pytest
 
-from helix_locks.client import AsyncLockClient, LockClient, LockHeld, LockLost
+from helix_locks.client import LockClient
 from tests.support import ROOT, running_service
 
 
@@ -44,58 +42,6 @@ def test_importing_the_sdk_and_its_command_line_needs_httpx_only() -> None:
     )
 
 
-def test_a_lease_renews_itself_well_past_its_ttl(db_url: str, tmp_path: Path) -> None:
-    with (
-        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
-        LockClient(url) as client,
-    ):
-        with client.lock("acme", "long-job", ttl=1) as lease:
-            for _ in range(30):  # 3 s: three times the lease
-                time.sleep(0.1)
-                lease.check()
-            assert not lease.lost
-            current = client.current("acme", "long-job")
-            assert current is not None
-            assert current["fencing_token"] == lease.fencing_token
-            with pytest.raises(LockHeld) as held:
-                client.acquire("acme", "long-job", ttl=1, holder="rival")
-            assert held.value.retry_after >= 1
-        assert client.current("acme", "long-job") is None, "released when the block ends"
-
-
-def test_a_lease_counts_as_lost_before_it_lapses_when_the_server_dies(db_url: str, tmp_path: Path) -> None:
-    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, server):
-        client = LockClient(url)
-        with client.lock("acme", "job", ttl=2) as lease:
-            server.send_signal(signal.SIGKILL)
-            server.wait()
-            lapse = lease.grant.sent_at + lease.grant.ttl
-            while not lease.lost:
-                assert time.monotonic() < lapse, "the lease must count as lost before it could lapse"
-                time.sleep(0.02)
-            assert time.monotonic() < lapse
-            with pytest.raises(LockLost):
-                lease.check()
-        client.close()
-
-
-def test_a_renewal_refused_with_410_marks_the_lease_lost_at_once(
-    db_url: str, tmp_path: Path, conn: psycopg.Connection[tuple[object, ...]]
-) -> None:
-    with (
-        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
-        LockClient(url) as client,
-        client.lock("acme", "job", ttl=1.5) as lease,
-    ):
-        steal(conn, client, "acme", "job")
-        deadline = time.monotonic() + 1.5
-        while not lease.lost and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert lease.lost
-        with pytest.raises(LockLost, match="410"):
-            lease.check()
-
-
 def steal(conn: psycopg.Connection[tuple[object, ...]], client: LockClient, org: str, job: str) -> None:
     """Expire the live lock in SQL and let another worker reclaim it."""
     conn.execute(
@@ -103,19 +49,6 @@ def steal(conn: psycopg.Connection[tuple[object, ...]], client: LockClient, org:
         " expires_at = clock_timestamp() - interval '1 millisecond' WHERE released_at IS NULL"
     )
     client.acquire(org, job, ttl=30, holder="thief")
-
-
-@pytest.mark.anyio
-async def test_the_async_client_holds_renews_and_releases(db_url: str, tmp_path: Path) -> None:
-    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
-        async with AsyncLockClient(url) as client:
-            async with client.lock("acme", "async-job", ttl=1) as lease:
-                await anyio.sleep(2)
-                lease.check()
-                current = await client.current("acme", "async-job")
-                assert current is not None
-                assert current["fencing_token"] == lease.fencing_token
-            assert await client.current("acme", "async-job") is None
 
 
 # --- helix-locks run ---------------------------------------------------------------------------

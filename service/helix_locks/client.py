@@ -20,9 +20,9 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -247,24 +247,38 @@ class Lease:
             self._lost_reason = reason
 
 
-class LockClient:
-    """A synchronous client. URL and key default to HELIX_LOCKS_URL and HELIX_LOCKS_API_KEY."""
+@dataclass(frozen=True)
+class _Call:
+    """A request for the driver to send; the flow is sent its response, or its TransportError."""
 
-    def __init__(
-        self, base_url: str | None = None, api_key: str | None = None, timeout: float = 10.0
-    ) -> None:
+    method: str
+    path: str
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _Pause:
+    """A pause for the driver to make: time.sleep, or asyncio.sleep."""
+
+    seconds: float
+
+
+T = TypeVar("T")
+_Outcome = httpx.Response | httpx.TransportError | None
+# What the two clients share is written once, as flows: generators that yield the requests to
+# send and the pauses to make, and are sent each request's outcome (httpx's Auth.auth_flow works
+# the same way). LockClient drives them with httpx.Client and time.sleep, AsyncLockClient with
+# httpx.AsyncClient and asyncio.sleep; neither decides anything.
+Flow = Generator[_Call | _Pause, _Outcome, T]
+
+
+class _Core:
+    """Settings, requests, retries and backoff, the acquire's wait and a lease's renewal."""
+
+    def __init__(self, base_url: str | None, api_key: str | None, timeout: float) -> None:
         self.base_url = (base_url or os.environ.get("HELIX_LOCKS_URL") or DEFAULT_URL).rstrip("/")
-        key = api_key or os.environ.get("HELIX_LOCKS_API_KEY")
-        self.http = httpx.Client(base_url=self.base_url, headers=_headers(key), timeout=timeout)
-
-    def close(self) -> None:
-        self.http.close()
-
-    def __enter__(self) -> LockClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.headers = _headers(api_key or os.environ.get("HELIX_LOCKS_API_KEY"))
+        self.timeout = timeout
 
     def _send(
         self,
@@ -275,19 +289,17 @@ class LockClient:
         refused_within: float | None = None,
         holding: bool = False,
         **kwargs: Any,
-    ) -> httpx.Response:
+    ) -> Flow[httpx.Response]:
         """One request, retried on network trouble and 503 for at most `within` seconds (a
         refused connection for at most `refused_within`)."""
         deadline = time.monotonic() + within
         refused_deadline = min(deadline, time.monotonic() + (refused_within or within))
+        idempotent = method != "POST" or holding or "Idempotency-Key" in kwargs.get("headers", {})
         attempt = 0
         while True:
-            response, error = None, None
-            try:
-                response = self.http.request(method, path, **kwargs)
-            except httpx.TransportError as exc:
-                error = exc
-            idempotent = method != "POST" or holding or "Idempotency-Key" in kwargs.get("headers", {})
+            outcome = yield _Call(method, path, kwargs)
+            response = outcome if isinstance(outcome, httpx.Response) else None
+            error = outcome if isinstance(outcome, httpx.TransportError) else None
             if not _is_retryable(error, response, idempotent):
                 if error is not None:
                     raise Unavailable(str(error)) from error
@@ -297,8 +309,125 @@ class LockClient:
             pause = _backoff(attempt, response)
             if time.monotonic() + pause > (refused_deadline if _refused(error) else deadline):
                 raise _gave_up(self.base_url, within, error) from error
-            time.sleep(pause)
+            yield _Pause(pause)
             attempt += 1
+
+    def _acquire(
+        self,
+        organization_id: str,
+        job_type: str,
+        ttl: float,
+        holder: str | None,
+        metadata: Mapping[str, Any] | None,
+        wait: float,
+    ) -> Flow[Grant]:
+        body = _acquire_body(organization_id, job_type, ttl, holder, metadata)
+        headers = {"Idempotency-Key": uuid.uuid4().hex}  # so that a retry never locks us out
+        give_up = time.monotonic() + wait
+        while True:
+            waiting = _wait_round(body, give_up)
+            started = time.monotonic()
+            try:
+                response = yield from self._send(
+                    "POST",
+                    "/v1/locks",
+                    json=body,
+                    headers=headers,
+                    within=max(ttl * 0.5, 1.0),
+                    # Nothing listening is said at once: a worker's first contact, not a blip.
+                    refused_within=REFUSED_WITHIN_SECONDS,
+                    timeout=self.timeout + waiting if self.timeout else None,
+                )
+                return _grant(response.json(), ttl, started)
+            except LockHeld:
+                if time.monotonic() >= give_up:
+                    raise
+
+    def _renew(self, lock_id: int, token: str, ttl: float, within: float) -> Flow[dict[str, Any]]:
+        response = yield from self._send(
+            "POST",
+            f"/v1/locks/{lock_id}/renew",
+            json={"ttl_seconds": ttl},
+            headers={"Lock-Token": token},
+            within=within,
+            holding=True,
+        )
+        renewed: dict[str, Any] = response.json()
+        return renewed
+
+    def _release(self, lock_id: int, token: str) -> Flow[None]:
+        try:
+            path, headers = f"/v1/locks/{lock_id}", {"Lock-Token": token}
+            yield from self._send("DELETE", path, headers=headers, holding=True)
+        except LockLost as lost:
+            if not lost.released_by_its_token:
+                raise
+
+    def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Flow[dict[str, Any]]:
+        found: dict[str, Any] = (yield from self._send("GET", path, params=params)).json()
+        return found
+
+    def _current(self, organization_id: str, job_type: str) -> Flow[dict[str, Any] | None]:
+        params = {"organization_id": organization_id, "job_type": job_type}
+        try:
+            return (yield from self._get("/v1/locks/current", params))
+        except ApiError as exc:
+            if exc.status == 404:  # none is held
+                return None
+            raise
+
+    def _renewal(self, lease: Lease) -> Flow[bool]:
+        """One renewal of a held lease; False once the lease is lost (it says why)."""
+        started = time.monotonic()
+        grant = lease.grant
+        try:
+            yield from self._renew(grant.id, grant.token, grant.ttl, within=max(lease.remaining, 0.1))
+            lease._renewed(started)
+        except LockLost as exc:
+            lease._lose(str(exc))
+            return False
+        except HelixError:
+            if lease.lost:  # retried until the lease could lapse: it is lost
+                lease._lose("renewals failed until the lease could lapse")
+                return False
+        return True
+
+
+class LockClient(_Core):
+    """A synchronous client. URL and key default to HELIX_LOCKS_URL and HELIX_LOCKS_API_KEY."""
+
+    def __init__(
+        self, base_url: str | None = None, api_key: str | None = None, timeout: float = 10.0
+    ) -> None:
+        super().__init__(base_url, api_key, timeout)
+        self.http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> LockClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self, flow: Flow[T]) -> T:
+        try:
+            step = next(flow)
+            while True:
+                if isinstance(step, _Pause):
+                    time.sleep(step.seconds)
+                    step = flow.send(None)
+                    continue
+                outcome: _Outcome
+                try:
+                    outcome = self.http.request(step.method, step.path, **step.kwargs)
+                except httpx.TransportError as exc:
+                    outcome = exc
+                step = flow.send(outcome)
+        except StopIteration as done:
+            result: T = done.value
+            return result
 
     def acquire(
         self,
@@ -311,69 +440,27 @@ class LockClient:
     ) -> Grant:
         """Acquire, or LockHeld. With `wait`, the service waits for a held lock for up to that
         many seconds (in rounds of at most 60) before answering."""
-        body = _acquire_body(organization_id, job_type, ttl, holder, metadata)
-        headers = {"Idempotency-Key": uuid.uuid4().hex}  # so that a retry never locks us out
-        give_up = time.monotonic() + wait
-        while True:
-            waiting = _wait_round(body, give_up)
-            started = time.monotonic()
-            try:
-                response = self._send(
-                    "POST",
-                    "/v1/locks",
-                    json=body,
-                    headers=headers,
-                    within=max(ttl * 0.5, 1.0),
-                    # Nothing listening is said at once: a worker's first contact, not a blip.
-                    refused_within=REFUSED_WITHIN_SECONDS,
-                    timeout=self.http.timeout.read + waiting if self.http.timeout.read else None,
-                )
-                return _grant(response.json(), ttl, started)
-            except LockHeld:
-                if time.monotonic() >= give_up:
-                    raise
+        return self._run(self._acquire(organization_id, job_type, ttl, holder, metadata, wait))
 
     def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
-        response = self._send(
-            "POST",
-            f"/v1/locks/{lock_id}/renew",
-            json={"ttl_seconds": ttl},
-            headers={"Lock-Token": token},
-            within=within,
-            holding=True,
-        )
-        renewed: dict[str, Any] = response.json()
-        return renewed
+        return self._run(self._renew(lock_id, token, ttl, within))
 
     def release(self, lock_id: int, token: str) -> None:
         """Release; LockLost if the lock had already ended otherwise (it was not ours any more).
 
         A retry after an answer that never came (or a 503) may find the lock released by the
         first attempt: that is this release's own success, not a loss."""
-        try:
-            self._send("DELETE", f"/v1/locks/{lock_id}", headers={"Lock-Token": token}, holding=True)
-        except LockLost as lost:
-            if not lost.released_by_its_token:
-                raise
+        self._run(self._release(lock_id, token))
 
     def get(self, lock_id: int) -> dict[str, Any]:
-        found: dict[str, Any] = self._send("GET", f"/v1/locks/{lock_id}").json()
-        return found
+        return self._run(self._get(f"/v1/locks/{lock_id}"))
 
     def list(self, **params: Any) -> dict[str, Any]:
-        page: dict[str, Any] = self._send("GET", "/v1/locks", params=params).json()
-        return page
+        return self._run(self._get("/v1/locks", params))
 
     def current(self, organization_id: str, job_type: str) -> dict[str, Any] | None:
         """The lock held now for the key, or None."""
-        params = {"organization_id": organization_id, "job_type": job_type}
-        try:
-            held: dict[str, Any] = self._send("GET", "/v1/locks/current", params=params).json()
-        except ApiError as exc:
-            if exc.status == 404:  # none is held
-                return None
-            raise
-        return held
+        return self._run(self._current(organization_id, job_type))
 
     @contextlib.contextmanager
     def lock(
@@ -405,30 +492,18 @@ class LockClient:
     def keep_alive(self, lease: Lease, stop: threading.Event) -> None:
         """Renew every ttl/3 until `stop` is set or the lease is lost (it says which)."""
         while not stop.wait(lease.grant.ttl / 3):
-            started = time.monotonic()
-            try:
-                self.renew(
-                    lease.grant.id, lease.grant.token, lease.grant.ttl, within=max(lease.remaining, 0.1)
-                )
-                lease._renewed(started)
-            except LockLost as exc:
-                lease._lose(str(exc))
+            if not self._run(self._renewal(lease)):
                 return
-            except HelixError:
-                if lease.lost:  # retried until the lease could lapse: it is lost
-                    lease._lose("renewals failed until the lease could lapse")
-                    return
 
 
-class AsyncLockClient:
-    """The asyncio twin of LockClient."""
+class AsyncLockClient(_Core):
+    """LockClient for asyncio: the same flows, driven with httpx.AsyncClient."""
 
     def __init__(
         self, base_url: str | None = None, api_key: str | None = None, timeout: float = 10.0
     ) -> None:
-        self.base_url = (base_url or os.environ.get("HELIX_LOCKS_URL") or DEFAULT_URL).rstrip("/")
-        key = api_key or os.environ.get("HELIX_LOCKS_API_KEY")
-        self.http = httpx.AsyncClient(base_url=self.base_url, headers=_headers(key), timeout=timeout)
+        super().__init__(base_url, api_key, timeout)
+        self.http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -439,37 +514,23 @@ class AsyncLockClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        *,
-        within: float = 10.0,
-        refused_within: float | None = None,
-        holding: bool = False,
-        **kwargs: Any,
-    ) -> httpx.Response:
-        deadline = time.monotonic() + within
-        refused_deadline = min(deadline, time.monotonic() + (refused_within or within))
-        attempt = 0
-        while True:
-            response, error = None, None
-            try:
-                response = await self.http.request(method, path, **kwargs)
-            except httpx.TransportError as exc:
-                error = exc
-            idempotent = method != "POST" or holding or "Idempotency-Key" in kwargs.get("headers", {})
-            if not _is_retryable(error, response, idempotent):
-                if error is not None:
-                    raise Unavailable(str(error)) from error
-                assert response is not None
-                _raise_for(response, holding)
-                return response
-            pause = _backoff(attempt, response)
-            if time.monotonic() + pause > (refused_deadline if _refused(error) else deadline):
-                raise _gave_up(self.base_url, within, error) from error
-            await asyncio.sleep(pause)
-            attempt += 1
+    async def _run(self, flow: Flow[T]) -> T:
+        try:
+            step = next(flow)
+            while True:
+                if isinstance(step, _Pause):
+                    await asyncio.sleep(step.seconds)
+                    step = flow.send(None)
+                    continue
+                outcome: _Outcome
+                try:
+                    outcome = await self.http.request(step.method, step.path, **step.kwargs)
+                except httpx.TransportError as exc:
+                    outcome = exc
+                step = flow.send(outcome)
+        except StopIteration as done:
+            result: T = done.value
+            return result
 
     async def acquire(
         self,
@@ -480,65 +541,25 @@ class AsyncLockClient:
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0,
     ) -> Grant:
-        body = _acquire_body(organization_id, job_type, ttl, holder, metadata)
-        headers = {"Idempotency-Key": uuid.uuid4().hex}
-        give_up = time.monotonic() + wait
-        while True:
-            waiting = _wait_round(body, give_up)
-            started = time.monotonic()
-            try:
-                response = await self._send(
-                    "POST",
-                    "/v1/locks",
-                    json=body,
-                    headers=headers,
-                    within=max(ttl * 0.5, 1.0),
-                    # Nothing listening is said at once: a worker's first contact, not a blip.
-                    refused_within=REFUSED_WITHIN_SECONDS,
-                    timeout=self.http.timeout.read + waiting if self.http.timeout.read else None,
-                )
-                return _grant(response.json(), ttl, started)
-            except LockHeld:
-                if time.monotonic() >= give_up:
-                    raise
+        """As LockClient.acquire."""
+        return await self._run(self._acquire(organization_id, job_type, ttl, holder, metadata, wait))
 
     async def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
-        response = await self._send(
-            "POST",
-            f"/v1/locks/{lock_id}/renew",
-            json={"ttl_seconds": ttl},
-            headers={"Lock-Token": token},
-            within=within,
-            holding=True,
-        )
-        renewed: dict[str, Any] = response.json()
-        return renewed
+        return await self._run(self._renew(lock_id, token, ttl, within))
 
     async def release(self, lock_id: int, token: str) -> None:
         """As LockClient.release."""
-        try:
-            await self._send("DELETE", f"/v1/locks/{lock_id}", headers={"Lock-Token": token}, holding=True)
-        except LockLost as lost:
-            if not lost.released_by_its_token:
-                raise
+        await self._run(self._release(lock_id, token))
 
     async def get(self, lock_id: int) -> dict[str, Any]:
-        found: dict[str, Any] = (await self._send("GET", f"/v1/locks/{lock_id}")).json()
-        return found
+        return await self._run(self._get(f"/v1/locks/{lock_id}"))
 
     async def list(self, **params: Any) -> dict[str, Any]:
-        page: dict[str, Any] = (await self._send("GET", "/v1/locks", params=params)).json()
-        return page
+        return await self._run(self._get("/v1/locks", params))
 
     async def current(self, organization_id: str, job_type: str) -> dict[str, Any] | None:
-        params = {"organization_id": organization_id, "job_type": job_type}
-        try:
-            held: dict[str, Any] = (await self._send("GET", "/v1/locks/current", params=params)).json()
-        except ApiError as exc:
-            if exc.status == 404:
-                return None
-            raise
-        return held
+        """As LockClient.current."""
+        return await self._run(self._current(organization_id, job_type))
 
     @contextlib.asynccontextmanager
     async def lock(
@@ -550,9 +571,10 @@ class AsyncLockClient:
         wait: float = 0,
         metadata: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[Lease]:
+        """As LockClient.lock, renewed by a task."""
         grant = await self.acquire(organization_id, job_type, ttl, holder, metadata, wait)
         lease = Lease(grant)
-        renewer = asyncio.create_task(self._keep(lease), name="helix-renew")
+        renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")
         try:
             yield lease
         finally:
@@ -563,19 +585,9 @@ class AsyncLockClient:
                 with contextlib.suppress(HelixError):
                     await self.release(grant.id, grant.token)
 
-    async def _keep(self, lease: Lease) -> None:
+    async def keep_alive(self, lease: Lease) -> None:
+        """Renew every ttl/3 until cancelled or the lease is lost (it says which)."""
         while True:
             await asyncio.sleep(lease.grant.ttl / 3)
-            started = time.monotonic()
-            try:
-                await self.renew(
-                    lease.grant.id, lease.grant.token, lease.grant.ttl, within=max(lease.remaining, 0.1)
-                )
-                lease._renewed(started)
-            except LockLost as exc:
-                lease._lose(str(exc))
+            if not await self._run(self._renewal(lease)):
                 return
-            except HelixError:
-                if lease.lost:
-                    lease._lose("renewals failed until the lease could lapse")
-                    return

@@ -1,0 +1,195 @@
+"""The SDK's promises, each checked on both clients (LockClient and AsyncLockClient) against a real
+service: a lease lost on 403, 404 or 410 and by its own clock, waiting, a retry after a lost
+answer that gets the same grant, and a 503's Retry-After honoured."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from helix_locks import AsyncLockClient, Lease, LockClient, LockHeld, LockLost
+from tests.support import LyingProxy, running_service
+
+
+class Either:
+    """A LockClient, or an AsyncLockClient on an event loop of its own thread, called the same way
+    (tests are written once): every method and `lock` block as if synchronous."""
+
+    def __init__(self, kind: str, url: str) -> None:
+        self.kind = kind
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if kind == "sync":
+            self.client: Any = LockClient(url)
+            return
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self.client = self._await(_make_async(url))
+
+    def _await(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
+        assert self._loop is not None
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        return future.result(timeout=120)
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self.client, name)
+        if self.kind == "sync":
+            return method  # type: ignore[no-any-return]
+        return lambda *args, **kwargs: self._await(method(*args, **kwargs))
+
+    @contextlib.contextmanager
+    def lock(self, *args: Any, **kwargs: Any) -> Iterator[Lease]:
+        if self.kind == "sync":
+            with self.client.lock(*args, **kwargs) as lease:
+                yield lease
+            return
+        block = self.client.lock(*args, **kwargs)
+        lease = self._await(block.__aenter__())
+        try:
+            yield lease
+        finally:
+            self._await(block.__aexit__(None, None, None))
+
+    def close(self) -> None:
+        if self.kind == "sync":
+            self.client.close()
+            return
+        assert self._loop is not None
+        self._await(self.client.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+
+async def _make_async(url: str) -> AsyncLockClient:
+    return AsyncLockClient(url)
+
+
+@pytest.fixture(params=["sync", "async"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def service(db_url: str, tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as started:
+        yield started
+
+
+@contextlib.contextmanager
+def either(kind: str, url: str) -> Iterator[Either]:
+    client = Either(kind, url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def test_a_lease_renews_itself_well_past_its_ttl_and_is_released_at_the_end(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    url, _ = service
+    with either(kind, url) as client:
+        with client.lock("acme", "long-job", ttl=1) as lease:
+            for _ in range(30):  # 3 s: three times the lease
+                time.sleep(0.1)
+                lease.check()
+            current = client.current("acme", "long-job")
+            assert current is not None and current["fencing_token"] == lease.fencing_token
+            with pytest.raises(LockHeld) as held:
+                client.acquire("acme", "long-job", ttl=1, holder="rival")
+            assert held.value.retry_after >= 1
+        assert client.current("acme", "long-job") is None, "released when the block ends"
+
+
+# What makes a holder's renewal answer each status: the lock ended, vanished, or has another token.
+BREAKS = {
+    410: "UPDATE helix_job_locks SET released_at = clock_timestamp(), release_reason = 'forced'"
+    " WHERE id = %s",
+    404: "DELETE FROM helix_job_locks WHERE id = %s",
+    403: "UPDATE helix_job_locks SET token = 'not-yours' WHERE id = %s",
+}
+
+
+@pytest.mark.parametrize("status", sorted(BREAKS))
+def test_a_renewal_refused_marks_the_lease_lost_at_once(
+    kind: str, status: int, service: tuple[str, Any], db_url: str
+) -> None:
+    url, _ = service
+    with either(kind, url) as client, client.lock("acme", f"refused-{status}", ttl=1.5) as lease:
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(BREAKS[status], (lease.grant.id,))
+        deadline = time.monotonic() + 1.2  # one renewal period (ttl/3) and a margin
+        while not lease.lost:
+            assert time.monotonic() < deadline, "lost at the first refused renewal"
+            time.sleep(0.02)
+        assert str(status) in (lease.lost_reason or ""), lease.lost_reason
+        with pytest.raises(LockLost):
+            lease.check()
+
+
+def test_a_lease_counts_as_lost_by_its_own_clock_before_it_could_lapse(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    url, server = service
+    with either(kind, url) as client, client.lock("acme", "clock", ttl=2) as lease:
+        server.send_signal(signal.SIGKILL)  # renewals fail from now on, without an answer
+        server.wait()
+        lapse = lease.grant.sent_at + lease.grant.ttl
+        while not lease.lost:
+            assert time.monotonic() < lapse, "the lease must count as lost before it could lapse"
+            time.sleep(0.02)
+        assert "lapse" in (lease.lost_reason or "")
+
+
+def test_a_waiting_acquire_is_granted_when_the_holder_releases(kind: str, service: tuple[str, Any]) -> None:
+    url, _ = service
+    with either(kind, url) as holder, either(kind, url) as waiter:
+        held = holder.acquire("acme", "wait", ttl=60)
+        granted: list[Any] = []
+        thread = threading.Thread(
+            target=lambda: granted.append(waiter.acquire("acme", "wait", ttl=60, wait=30))
+        )
+        thread.start()
+        time.sleep(0.5)
+        assert not granted, "waits while the lock is held"
+        released_at = time.monotonic()
+        holder.release(held.id, held.token)
+        thread.join(timeout=30)
+        assert granted and granted[0].fencing_token == held.fencing_token + 1
+        assert time.monotonic() - released_at < 5, "woken by the release, not by its wait running out"
+
+
+def test_an_acquire_whose_answer_was_lost_is_retried_and_gets_the_same_grant(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    """The service granted the first attempt, but its answer became a 503 on the way back: the
+    retry carries the same Idempotency-Key and is answered that same grant, not 409."""
+    url, _ = service
+    with LyingProxy(url, [("POST", "/v1/locks")]) as proxy, either(kind, proxy.url) as client:
+        started = time.monotonic()
+        grant = client.acquire("acme", "lost-answer", ttl=30)
+        took = time.monotonic() - started
+        lock = client.current("acme", "lost-answer")
+    assert [status for method, _, status in proxy.told if method == "POST"] == [503, 201]
+    assert lock is not None and (lock["id"], lock["fencing_token"]) == (grant.id, grant.fencing_token)
+    assert took >= 1.0, "the retry waited the 503's Retry-After (1 s)"
+
+
+def test_a_release_retried_after_a_503_counts_as_released(kind: str, service: tuple[str, Any]) -> None:
+    url, _ = service
+    with LyingProxy(url, [("DELETE", "/v1/locks/")]) as proxy, either(kind, proxy.url) as client:
+        grant = client.acquire("acme", "lost-release", ttl=30)
+        client.release(grant.id, grant.token)  # the retry finds it released by itself: no LockLost
+        assert client.current("acme", "lost-release") is None
+    assert [status for method, _, status in proxy.told if method == "DELETE"] == [503, 410]
