@@ -112,6 +112,8 @@ def _run(
     stop = threading.Event()
     renewer = threading.Thread(target=client.keep_alive, args=(lease, stop), daemon=True)
     renewer.start()
+    # What the command needs to fence its writes (and to name the lock it runs under).
+    env = {**env, "HELIX_LOCKS_LOCK_ID": str(grant.id), "HELIX_LOCKS_FENCING_TOKEN": str(grant.fencing_token)}
     try:
         process = subprocess.Popen(command, start_new_session=True, env=env)
     except OSError as exc:
