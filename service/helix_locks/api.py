@@ -64,8 +64,8 @@ class Session:
 
 bearer = HTTPBearer(auto_error=False, description="An API key: Authorization: Bearer hlk_...")
 # The lock routes call authorized() themselves rather than declare Security(bearer): FastAPI
-# solves a dependency anew on every request, and the key check as one cost about 30 µs of CPU
-# a request here. So the document gets the scheme from here (app.py adds it).
+# solves a dependency anew on every request, which costs CPU on every request (docs/performance.md).
+# So the document gets the scheme from here (app.py adds it).
 BEARER_REQUIRED: dict[str, Any] = {"security": [{bearer.scheme_name: []}]}
 SECURITY_SCHEMES = {
     bearer.scheme_name: bearer.model.model_dump(mode="json", by_alias=True, exclude_none=True)

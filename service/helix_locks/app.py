@@ -219,8 +219,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         sampler = asyncio.create_task(metrics.sample_pool_every(pool), name="helix-locks-pool-metrics")
         undo_signals = _answer_waiters_on_stop(waiters)
         # What exists now (modules, the app, its routes and schemas) lives as long as the app.
-        # Out of the collector's sight, a full collection took 0.7 ms here rather than 12 to 26:
-        # a pause that every request in flight waits out. Undone at the end, for processes that
+        # Out of the collector's sight, a full collection is far shorter (docs/performance.md): a
+        # pause that every request in flight waits out. Undone at the end, for processes that
         # run one app after another (the tests).
         gc.collect()
         gc.freeze()
