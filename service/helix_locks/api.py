@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -113,12 +114,19 @@ def _from_this_machine(request: Request) -> None:
         raise UnsupportedMediaType()
 
 
+# host[:port] and nothing else: no user (evil.example@localhost), no path, no spaces.
+_HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]*)(:[0-9]{1,5})?")
+
+
 def _hostname(value: str, url: bool = False) -> str | None:
     """The host a Host header (or, with url, an Origin) names, lower case; None if malformed."""
     try:
-        return urlsplit(value if url else f"//{value}").hostname or ""
+        parts = urlsplit(value if url else f"//{value}")
     except ValueError:  # such as an unclosed [
         return None
+    if not _HOST.fullmatch(parts.netloc) or parts.path or parts.query or parts.fragment:
+        return None
+    return parts.hostname or ""
 
 
 def _netloc(url: str) -> str | None:
@@ -221,7 +229,7 @@ PROBLEM_DOCS: dict[str, tuple[str, JSONResponse]] = {
     ),
     "quota-exceeded": (
         "This organization already has as many live locks (held, or lapsed and not yet reclaimed) as"
-        " one may have (HELIX_LOCKS_MAX_LIVE_LOCKS_PER_ORGANIZATION, counted approximately); an"
+        " one may have (HELIX_LOCKS_MAX_LIVE_LOCKS_PER_ORGANIZATION); an"
         " acquire of a key that has a live lock still goes on.",
         problems.from_error(QuotaExceeded(10_000)),
     ),
@@ -309,6 +317,7 @@ async def acquire(
             body.metadata,
             # Scoped to the caller's API key: another key's repeat is a different request.
             None if idempotency_key is None else f"{caller.key_id or 'anonymous'}/{idempotency_key}",
+            waiting=body.wait_seconds > 0,
         )
 
     if body.wait_seconds > 0:

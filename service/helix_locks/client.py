@@ -87,7 +87,7 @@ class Grant:
     organization_id: str
     job_type: str
     fencing_token: int
-    token: str
+    token: str = field(repr=False)  # a secret: a logged grant must not show it
     ttl: float
     # This process's monotonic clock when the acquire was sent: the lease is counted from there.
     sent_at: float = field(repr=False)

@@ -23,6 +23,7 @@ from helix_locks.errors import (
     LockError,
     LockHeld,
     LockNotFound,
+    QuotaExceeded,
     TokenMismatch,
 )
 from helix_locks.settings import Settings
@@ -76,6 +77,7 @@ SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "HL001": lambda exc: LockNotFound(),
     "HL002": lambda exc: TokenMismatch(),
     "HL003": _lock_ended,
+    "HL004": lambda exc: QuotaExceeded(int(exc.diag.message_detail or 0)),
     # A primary that just became a standby (failover): it will not take writes, try again.
     "25006": lambda exc: DatabaseUnavailable("read-only transaction"),
     # Prepared statements lost or doubled: DATABASE_URL goes through a transaction pooler, but no

@@ -12,9 +12,10 @@ stream an endless header into memory, or hold sockets open without finishing a r
 - a connection beyond `max_connections` open in this worker is closed at once, so that the
   process's file descriptors (its nofile limit must be higher) never run out;
 - an answer the client does not read is cut off: once the unsent part of the answers is over
-  asyncio's high-water mark (64 KiB), the client must take at least WRITE_PROGRESS_BYTES of it
-  (or all of it) every `write_timeout`, or the connection is aborted and what it held is freed.
-  Otherwise a client that asks for large pages and never reads them pins each one in memory.
+  asyncio's high-water mark (64 KiB), the client must take WRITE_RATE bytes a second of it (or
+  all of it) over every `write_timeout`, or the connection is aborted and what it held is freed.
+  Otherwise a client that asks for large pages and reads them slowly, or not at all, pins each
+  one in memory for as long as it likes.
 Between requests, uvicorn's own keep-alive timeout closes an idle connection.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import socket
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -45,8 +47,11 @@ def _answer(status: bytes, reason: str) -> bytes:
 
 TOO_LARGE = _answer(b"431 Request Header Fields Too Large", "Request header fields too large.")
 TOO_SLOW = _answer(b"408 Request Timeout", "The request did not arrive in time.")
-# What a client must read of a paused answer per write timeout: 6.4 KB/s at the default 10 s.
-WRITE_PROGRESS_BYTES = 64 * 1024
+# What a client must read of a paused answer, a second on average over each write timeout: a
+# page of 500 locks with 8 KiB of metadata each (4 MB) may then take a minute to read, not more.
+WRITE_RATE = 64 * 1024
+# The kernel's send buffer of a connection (Linux doubles it for its own bookkeeping).
+SEND_BUFFER_BYTES = 128 * 1024
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
@@ -86,6 +91,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if len(self.connections) > self.limits.max_connections:
             transport.close()
             return
+        # The kernel's send buffer grows by itself up to net.ipv4.tcp_wmem's maximum (4 MB by
+        # default): a whole page of answers would wait there, out of the write timeout's sight.
+        # Capped, what a slow reader has not taken waits in the transport, where it is watched.
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self._arm(self.limits.head_timeout_seconds)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -109,7 +120,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _check_writes(self) -> None:
         unsent = self.transport.get_write_buffer_size()
-        if self._unsent - unsent < min(WRITE_PROGRESS_BYTES, self._unsent):
+        if self._unsent - unsent < min(WRITE_RATE * self.limits.write_timeout_seconds, self._unsent):
             self._write_timer = None
             self.transport.abort()  # close() would wait to send what is buffered
             return

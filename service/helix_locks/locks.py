@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
@@ -131,32 +132,42 @@ class _Count:
     """One organization's live locks, as this process knows them."""
 
     counted: int  # by the database, at `at`
-    at: float  # time.monotonic() of that count
-    since: int = 0  # this process's grants less its releases, finished after the count
-    pending: int = 0  # this process's acquires admitted as new and not yet finished
+    at: float  # time.monotonic() when that count began
+    budget: int  # acquires this process may let through on this count, at most
+    base: int  # `local` when that count began: what it may not have seen is local - base
+    local: int = 0  # this process's grants less its releases, finished, ever
+    pending: int = 0  # this process's acquires let through on a count, not yet finished
+    full_until: float = 0.0  # the database refused an acquire for the quota: refuse until then
 
     @property
     def live(self) -> int:
-        return self.counted + self.since + self.pending
+        return self.counted + self.local - self.base + self.pending
+
+    def room(self) -> bool:
+        """Whether this process may let one more acquire through on this count."""
+        return self.local - self.base + self.pending < self.budget
 
 
 class LiveLockQuota:
     """At most `limit` live locks (held, or lapsed and not yet reclaimed) per organization.
 
-    Counted approximately, so that counting never serialises an organization's acquires (an exact
-    count would have to lock something every acquire of the organization shares). This process
-    counts an organization's live rows (an index-only scan of the live-lock index) and adds its
-    own grants and releases, finished or in flight. It counts again after FRESH_SECONDS; within
-    BAND of the limit, at every acquire; at the limit, after AT_LIMIT_SECONDS (so that a stream of
-    refused acquires costs one count a tenth of a second). What other processes grant shows at
-    the next count: an organization may go over by the acquires in flight in other processes as
-    it reaches the limit. At the limit, an acquire that would add no live lock (its key has one
-    already: to reclaim, or to answer 409 or a replay with) goes on.
+    Far from the limit, acquires go by a count, so that counting never serialises them (an exact
+    count would have to lock something that every acquire of the organization shares): this
+    process counts an organization's live rows (on the live-lock index) at most once every
+    FRESH_SECONDS, and lets through at most a SHARE of the room below the band before it counts
+    again, so that several processes on one count cannot together go far past it. Within BAND of
+    the limit, an acquire goes through helix_acquire_job_lock_within_quota (migration 0013),
+    which counts and grants under the organization's advisory lock: exact, and serialising only
+    the acquires near the limit. A refusal from there is remembered for FULL_SECONDS, so that a
+    stream of acquires at the limit costs one count each tenth of a second, not one each; an
+    acquire of a key that has a live lock (it adds none), a waiting acquire's attempts and a
+    release by this process skip that memory.
     """
 
     FRESH_SECONDS = 1.0
-    AT_LIMIT_SECONDS = 0.1
+    FULL_SECONDS = 0.1
     BAND = 0.05  # of the limit
+    SHARE = 4  # a process lets through at most 1/SHARE of the room below the band per count
     # Organizations remembered at once; past it, the counts gone stale are forgotten.
     REMEMBERED = 10_000
 
@@ -165,54 +176,89 @@ class LiveLockQuota:
         self.limit = limit
         self.near = limit - max(1, int(limit * self.BAND))
         self._counts: dict[str, _Count] = {}
+        self._gates: dict[str, tuple[asyncio.Lock, int]] = {}  # and how many use it
 
-    async def admit(self, organization_id: str, job_type: str) -> bool:
-        """True if room for one more live lock is reserved (settle it with `settled`); False if
-        the key has a live lock already and the organization is at its limit. QuotaExceeded if
-        the acquire could add a live lock beyond the limit."""
+    async def admit(self, organization_id: str, job_type: str, *, waiting: bool = False) -> bool:
+        """True if the acquire may go by the count (room reserved: settle it with `settled`);
+        False if it must go the exact way. QuotaExceeded if the database refused this
+        organization an acquire a moment ago and this one could add a live lock."""
+        now = time.monotonic()
         count = self._counts.get(organization_id)
-        if count is None or self._stale(count):
-            at = time.monotonic()
+        if count is not None and now < count.full_until and not waiting:
+            await self.refuse_if_it_adds(organization_id, job_type)
+            return False
+        if (
+            count is None
+            or now - count.at > self.FRESH_SECONDS
+            or (count.live < self.near and not count.room())
+        ):
+            base = count.local if count is not None else 0
             row = await self.db.fetch_first(
                 queries.COUNT_LIVE_IN_ORGANIZATION, {"organization_id": organization_id}
             )
-            count = self._remember(organization_id, int(row["live"]), at)
-        if count.live < self.limit:
+            count = self._remember(organization_id, int(row["live"]), now, base)
+        if count.live < self.near and count.room():
             count.pending += 1
             return True
+        return False
+
+    async def refuse_if_it_adds(self, organization_id: str, job_type: str) -> None:
+        """QuotaExceeded unless the key has a live lock (an acquire of it adds none)."""
         row = await self.db.fetch_first(
             queries.KEY_IS_LIVE, {"organization_id": organization_id, "job_type": job_type}
         )
         if not row["live"]:
             raise QuotaExceeded(self.limit)
-        return False
 
-    def settled(self, organization_id: str, *, added: bool) -> None:
+    @asynccontextmanager
+    async def exactly(self, organization_id: str, job_type: str, *, waiting: bool) -> AsyncIterator[None]:
+        """Around an acquire the exact way: one at a time per organization in this process, so
+        that those waiting for their turn hold no pooled connection (a burst at one
+        organization's quota must not take the pool from the others), and each one whose turn
+        comes after a refusal is refused without counting again."""
+        gate, users = self._gates.get(organization_id, (asyncio.Lock(), 0))
+        self._gates[organization_id] = (gate, users + 1)
+        try:
+            async with gate:
+                count = self._counts.get(organization_id)
+                if count is not None and time.monotonic() < count.full_until and not waiting:
+                    await self.refuse_if_it_adds(organization_id, job_type)
+                yield
+        finally:
+            gate, users = self._gates[organization_id]
+            if users == 1:
+                del self._gates[organization_id]
+            else:
+                self._gates[organization_id] = (gate, users - 1)
+
+    def settled(self, organization_id: str, *, reserved: bool, added: bool) -> None:
         """An admitted acquire finished: it added a live lock, or not (failed, reclaimed)."""
         if (count := self._counts.get(organization_id)) is not None:
-            count.pending = max(0, count.pending - 1)
-            count.since += added
+            if reserved:
+                count.pending = max(0, count.pending - 1)
+            count.local += added
+
+    def refused(self, organization_id: str) -> None:
+        """The database refused an acquire of the organization for its quota."""
+        if (count := self._counts.get(organization_id)) is not None:
+            count.full_until = time.monotonic() + self.FULL_SECONDS
 
     def released(self, organization_id: str) -> None:
-        """This process ended one of the organization's live locks."""
+        """This process ended one of the organization's live locks: there is room again."""
         if (count := self._counts.get(organization_id)) is not None:
-            count.since -= 1
+            count.local -= 1
+            count.full_until = 0.0
 
-    def _stale(self, count: _Count) -> bool:
-        age = time.monotonic() - count.at
-        if count.live >= self.limit:
-            return age > self.AT_LIMIT_SECONDS
-        return count.live >= self.near or age > self.FRESH_SECONDS
-
-    def _remember(self, organization_id: str, counted: int, at: float) -> _Count:
+    def _remember(self, organization_id: str, counted: int, at: float, base: int) -> _Count:
+        budget = max(1, (self.near - counted) // self.SHARE)
         count = self._counts.get(organization_id)
         if count is None:
             if len(self._counts) >= self.REMEMBERED:
                 fresh = time.monotonic() - self.FRESH_SECONDS
                 self._counts = {org: c for org, c in self._counts.items() if c.at > fresh or c.pending}
-            count = self._counts[organization_id] = _Count(counted, at)
-        elif at >= count.at:  # a count that began before the last one ended tells less
-            count.counted, count.at, count.since = counted, at, 0
+            count = self._counts[organization_id] = _Count(counted, at, budget, base)
+        elif at >= count.at:  # a count that began before the last one tells less
+            count.counted, count.at, count.budget, count.base = counted, at, budget, base
         return count
 
 
@@ -232,31 +278,38 @@ class Locks:
         ttl_ms: int,
         metadata: dict[str, Any] | None,
         idempotency_key: str | None = None,
+        waiting: bool = False,
     ) -> Grant:
         """Grant the lock, or raise LockHeld. A repeat with the same idempotency key, while the
-        lock it got is live, answers that same grant."""
+        lock it got is live, answers that same grant. `waiting`: an attempt of a waiting acquire,
+        woken by a release (no refusal for the quota on what was known before it)."""
         if caller.scope not in (None, organization_id):
             raise Forbidden(f"This API key acts only in organization {caller.scope}.")
-        reserved = await self.quota.admit(organization_id, job_type)
+        reserved = await self.quota.admit(organization_id, job_type, waiting=waiting)
+        params: dict[str, Any] = {
+            "organization_id": organization_id,
+            "job_type": job_type,
+            "holder": holder,
+            "ttl_ms": ttl_ms,
+            "metadata": None if metadata is None else Jsonb(metadata),
+            "idempotency_key": idempotency_key,
+        }
         added = False
         try:
-            row = await self.db.fetch_first(
-                queries.ACQUIRE,
-                {
-                    "organization_id": organization_id,
-                    "job_type": job_type,
-                    "holder": holder,
-                    "ttl_ms": ttl_ms,
-                    "metadata": None if metadata is None else Jsonb(metadata),
-                    "idempotency_key": idempotency_key,
-                },
-            )
+            if reserved:
+                row = await self.db.fetch_first(queries.ACQUIRE, params)
+            else:  # near the quota: counted and granted under the organization's advisory lock
+                params["quota"] = self.quota.limit
+                async with self.quota.exactly(organization_id, job_type, waiting=waiting):
+                    row = await self.db.fetch_first(queries.ACQUIRE_WITHIN_QUOTA, params)
             # A grant that reclaimed adds no live lock; a replay is counted once more, until
             # the next count.
             added = row["reclaimed_lock_id"] is None
+        except QuotaExceeded:
+            self.quota.refused(organization_id)
+            raise
         finally:
-            if reserved:
-                self.quota.settled(organization_id, added=added)
+            self.quota.settled(organization_id, reserved=reserved, added=added)
         reclaimed = None
         if row["reclaimed_lock_id"] is not None:
             reclaimed = Reclaimed(

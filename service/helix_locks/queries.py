@@ -104,6 +104,18 @@ WHERE organization_id = %(organization_id)s
 """
 )
 
+# Near an organization's quota (migration 0013): the same acquire, counted and granted under the
+# organization's advisory lock; HL004 beyond the quota.
+ACQUIRE_WITHIN_QUOTA = (
+    "SELECT "
+    + LOCK
+    + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at
+FROM helix_acquire_job_lock_within_quota(
+    %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(quota)s
+)
+"""
+)
+
 # The live-lock quota (locks.py): an organization's live locks, counted on the live-lock
 # index, and whether one key has a live lock (a grant for it then adds none).
 COUNT_LIVE_IN_ORGANIZATION = """

@@ -153,7 +153,8 @@ def _key_from_file(path: Path) -> str:
     """The well-formed key that is the whole of the file (one line). Its content is never echoed:
     it may be a key with a typo."""
     try:
-        key = path.read_text().strip()
+        with path.open("rb") as file:
+            key = file.read(1024).decode().strip()  # a key is 65 characters: never read /dev/zero
     except (OSError, UnicodeDecodeError) as exc:
         raise SystemExit(f"helix-locks: cannot read an API key from {path}: {exc}") from exc
     if keys.key_id(key) is None:

@@ -45,8 +45,8 @@ class Settings(BaseSettings):
     max_waiters: int = Field(default=10_000, ge=0)
     # Of those, one organization's at most; beyond it, 429 for that organization alone.
     max_waiters_per_organization: int = Field(default=1_000, ge=0)
-    # Live locks (held, or lapsed and not yet reclaimed) of one organization; beyond it, 429. The
-    # count is approximate (locks.py, LiveLockQuota).
+    # Live locks (held, or lapsed and not yet reclaimed) of one organization; beyond it, 429
+    # (locks.py, LiveLockQuota: counted far from it, exact near it).
     max_live_locks_per_organization: int = Field(default=10_000, ge=1)
 
     @property
@@ -82,8 +82,8 @@ class EdgeSettings(BaseSettings):
     head_timeout_seconds: float = Field(default=10.0, gt=0)
     # From a request's head to the end of its body.
     body_timeout_seconds: float = Field(default=10.0, gt=0)
-    # An answer the client does not read: it must take 64 KiB of it (or all) this often, or the
-    # connection is aborted.
+    # An answer the client does not read: over each such span it must take 64 KiB a second of it
+    # (or all of it), or the connection is aborted.
     write_timeout_seconds: float = Field(default=10.0, gt=0)
     # Connections open at once in one worker process; more are closed as they come. The process's
     # nofile limit must be above it (plus the pool's connections and a few files).
