@@ -1,5 +1,6 @@
 -- Abuse resistance (issue 16): lock tokens of 128 random bits, compared in constant time, and
--- retention that also removes locks whose lease ended long ago.
+-- retention that also removes locks whose lease ended long ago; and (issue 18) a holder's 403 and
+-- 410 name the lock's organization and job type.
 --
 -- 1. A token was a UUIDv4 without dashes: 122 random bits, where 128 were documented. PostgreSQL
 --    has no built-in source of random bytes (pgcrypto's gen_random_bytes is an extension, which
@@ -20,6 +21,26 @@
 --    live rows are read through the live-lock index: there is no index on expires_at, which would
 --    cost every renewal its HOT update, and live rows are few next to history (each organization
 --    has a quota of them, HELIX_LOCKS_MAX_LIVE_LOCKS_PER_ORGANIZATION).
+
+-- 4. A 403 (HL002) or 410 (HL003) to a holder now names the lock's organization and job type in
+--    its DETAIL, as 23505's names the live lock: the service labels its log line and the
+--    lost-lock metric with them, where it used to read the lock again.
+CREATE OR REPLACE FUNCTION helix_raise_if_ended(p_lock helix_job_locks) RETURNS void
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    IF p_lock.released_at IS NOT NULL THEN
+        RAISE EXCEPTION 'lock % has ended', p_lock.id
+            USING ERRCODE = 'HL003',
+                  DETAIL = json_build_object(
+                      'lock_id', p_lock.id,
+                      'release_reason', p_lock.release_reason,
+                      'released_at', p_lock.released_at,
+                      'forced_by', p_lock.forced_by,
+                      'organization_id', p_lock.organization_id,
+                      'job_type', p_lock.job_type
+                  )::text;
+    END IF;
+END $$;
 
 -- 128 random bits as 32 hex digits: from each of two UUIDv4s (xxxxxxxx-xxxx-4xxx-Vxxx-xxxxxxxxxxxx
 -- without dashes), digits 1-12, 14-16 and 18, leaving out the version digit (13) and the variant
@@ -162,7 +183,11 @@ BEGIN
         RAISE EXCEPTION 'no lock %', p_lock_id USING ERRCODE = 'HL001';
     END IF;
     IF helix_digest(v_lock.token) IS DISTINCT FROM helix_digest(p_token) THEN
-        RAISE EXCEPTION 'token does not match lock %', p_lock_id USING ERRCODE = 'HL002';
+        RAISE EXCEPTION 'token does not match lock %', p_lock_id
+            USING ERRCODE = 'HL002',
+                  DETAIL = json_build_object(
+                      'organization_id', v_lock.organization_id, 'job_type', v_lock.job_type
+                  )::text;
     END IF;
     PERFORM helix_raise_if_ended(v_lock);
     IF p_renewal THEN

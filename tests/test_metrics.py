@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helix_locks import keys, telemetry
 from helix_locks.app import create_app
+from helix_locks.locks import Locks
 from helix_locks.settings import Settings
 from tests.support import running_service
 from tests.test_api import expire, lock_body
@@ -123,19 +124,29 @@ async def test_the_lock_gauges_are_read_at_most_every_few_seconds(
     assert value(samples((await client.get("/metrics")).text), "helix_locks_locks", state="held") == 2
 
 
-async def test_organizations_are_labels_only_when_asked(db_url: str, admin: str, conn: Conn) -> None:
+async def test_organizations_are_labels_only_when_asked(
+    db_url: str, admin: str, conn: Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def no_second_read(*args: object) -> None:
+        raise AssertionError("the 410 and 403 carry the lock's organization: no second read")
+
     async for client in app_client(db_url, admin, metrics_organization_label=True):
         lost = (await client.post("/v1/locks", json=lock_body(organization_id="globex"))).json()
         expire(conn, lost["id"])
-        await client.post("/v1/locks", json=lock_body(organization_id="globex"))  # reclaims it
+        held = await client.post("/v1/locks", json=lock_body(organization_id="globex"))  # reclaims it
+        monkeypatch.setattr(Locks, "get", no_second_read)
         gone = await client.delete(f"/v1/locks/{lost['id']}", headers={"Lock-Token": lost["token"]})
         assert gone.status_code == 410
+        wrong = {"Lock-Token": "0" * 32}
+        assert (await client.delete(f"/v1/locks/{held.json()['id']}", headers=wrong)).status_code == 403
+        monkeypatch.undo()
         found = samples((await client.get("/metrics")).text)
         assert value(found, "helix_locks_acquisitions_total", organization="globex", result="granted") == 1
         assert value(found, "helix_locks_acquisitions_total", organization="globex", result="reclaimed") == 1
         # The 410 is counted against the lock's organization, though the request named none.
         assert value(found, "helix_locks_releases_total", organization="globex", result="gone") == 1
         assert value(found, "helix_locks_lost_total", organization="globex") == 1
+        assert value(found, "helix_locks_releases_total", organization="globex", result="token-mismatch") == 1
 
 
 def test_every_worker_is_counted_whichever_answers_the_scrape(db_url: str, tmp_path: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import json
 import re
@@ -25,7 +24,6 @@ from helix_locks.errors import (
     Forbidden,
     InvalidArgument,
     LockEnded,
-    LockError,
     LockHeld,
     LockNotFound,
     OrganizationWaitersFull,
@@ -479,7 +477,7 @@ async def release(
     elif token is None:
         raise InvalidArgument("Lock-Token", "Field required")
     else:
-        async with _naming_the_lock(session, id_):
+        async with _naming_the_lock():
             lock = await locks.release(caller, id_, token)
     logs.bind(
         organization_id=lock.organization_id,
@@ -510,7 +508,7 @@ async def renew(request: Request, lock_id: LockIdPath, token: LockToken, body: R
     """Extend the lease to database-now + ttl_seconds; works on a lapsed lease nobody reclaimed."""
     session = await authorized(request)
     id_ = known_lock_id(lock_id)
-    async with _naming_the_lock(session, id_):
+    async with _naming_the_lock():
         renewal = await session.locks.renew(session.caller, id_, token, ttl_ms(body.ttl_seconds))
     logs.bind(
         organization_id=renewal.lock.organization_id,
@@ -522,15 +520,14 @@ async def renew(request: Request, lock_id: LockIdPath, token: LockToken, body: R
 
 
 @asynccontextmanager
-async def _naming_the_lock(session: Session, lock_id: int) -> AsyncIterator[None]:
+async def _naming_the_lock() -> AsyncIterator[None]:
     """A holder told its lock ended (410) or given the wrong token (403): its log line and the
-    lost-lock metric name the organization and job type too. One more query, on those answers only."""
+    lost-lock metric name the organization and job type too, which the database's answer carries."""
     try:
         yield
-    except (LockEnded, TokenMismatch):
-        with contextlib.suppress(LockError):
-            lock = await session.locks.get(session.caller, lock_id)
-            logs.bind(organization_id=lock.organization_id, job_type=lock.job_type)
+    except (LockEnded, TokenMismatch) as exc:
+        if exc.organization_id is not None:
+            logs.bind(organization_id=exc.organization_id, job_type=exc.job_type)
         raise
 
 

@@ -58,7 +58,14 @@ def _lock_ended(exc: psycopg.Error) -> LockError:
     detail = _detail(exc)
     released_at = _time(detail.get("released_at"))
     assert released_at is not None, "HL003 always carries released_at"
-    return LockEnded(detail["lock_id"], detail["release_reason"], released_at, detail.get("forced_by"))
+    return LockEnded(
+        detail["lock_id"],
+        detail["release_reason"],
+        released_at,
+        detail.get("forced_by"),
+        detail.get("organization_id"),
+        detail.get("job_type"),
+    )
 
 
 def _invalid(exc: psycopg.Error) -> LockError:
@@ -75,7 +82,7 @@ SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "23505": _lock_held,
     "22023": _invalid,
     "HL001": lambda exc: LockNotFound(),
-    "HL002": lambda exc: TokenMismatch(),
+    "HL002": lambda exc: TokenMismatch(_detail(exc).get("organization_id"), _detail(exc).get("job_type")),
     "HL003": _lock_ended,
     "HL004": lambda exc: QuotaExceeded(int(exc.diag.message_detail or 0)),
     # A primary that just became a standby (failover): it will not take writes, try again.

@@ -29,6 +29,10 @@ class LockNotFound(LockError):
 class TokenMismatch(LockError):
     """The token presented does not prove ownership of the lock."""
 
+    # The lock's, for the log line and the lost-lock metric (never told to the caller).
+    organization_id: str | None = None
+    job_type: str | None = None
+
 
 @dataclass
 class LockEnded(LockError):
@@ -38,6 +42,8 @@ class LockEnded(LockError):
     release_reason: str
     released_at: datetime
     forced_by: str | None = None
+    organization_id: str | None = None
+    job_type: str | None = None
 
 
 @dataclass
