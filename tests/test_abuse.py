@@ -380,10 +380,8 @@ def test_with_keys_the_key_is_the_barrier_and_metrics_need_an_admin_key(db_url: 
         assert status == 200 and b"helix_locks_" in metrics
 
 
-def test_answers_that_are_never_read_are_cut_off_and_free_what_they_held(db_url: str, tmp_path: Path) -> None:
-    """30 clients ask for a page of 500 locks with 8 KiB of metadata each (4 MB) and read none of
-    it: within the write timeout (1 s here) each connection is aborted, rather than holding its
-    page in the server's memory for as long as the client likes."""
+def _seed_a_4_mb_page(db_url: str) -> None:
+    """500 live locks with 8 KiB of metadata each: GET /v1/locks?limit=500 answers 4 MB."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         conn.execute(
             "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, metadata,"
@@ -391,6 +389,13 @@ def test_answers_that_are_never_read_are_cut_off_and_free_what_they_held(db_url:
             " SELECT 'acme', 'job-' || n, 'w', md5(n::text), jsonb_build_object('pad', repeat('x', 8000)),"
             "  1, now(), now() + interval '1 hour' FROM generate_series(1, 500) AS n"
         )
+
+
+def test_answers_that_are_never_read_are_cut_off_and_free_what_they_held(db_url: str, tmp_path: Path) -> None:
+    """30 clients ask for a page of 500 locks with 8 KiB of metadata each (4 MB) and read none of
+    it: within the write timeout (1 s here) each connection is aborted, rather than holding its
+    page in the server's memory for as long as the client likes."""
+    _seed_a_4_mb_page(db_url)
     env = ROUTE.env(db_url, HELIX_LOCKS_WRITE_TIMEOUT_SECONDS="1")
     with running_service(env=env, log=tmp_path / "s.log") as (url, _):
         port = int(url.rsplit(":", 1)[1])
@@ -420,13 +425,7 @@ def test_an_answer_read_too_slowly_is_cut_off_too(db_url: str, tmp_path: Path) -
     """A client that reads a 4 MB page at 48 KB/s, below the 64 KiB/s an answer must move at, is
     cut off after a write timeout or two (2 s here), not after the minute and a half it would
     take: a trickling reader holds its page no longer than one that reads nothing."""
-    with psycopg.connect(db_url, autocommit=True) as conn:
-        conn.execute(
-            "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, metadata,"
-            " fencing_token, acquired_at, expires_at)"
-            " SELECT 'acme', 'job-' || n, 'w', md5(n::text), jsonb_build_object('pad', repeat('x', 8000)),"
-            "  1, now(), now() + interval '1 hour' FROM generate_series(1, 500) AS n"
-        )
+    _seed_a_4_mb_page(db_url)
     env = ROUTE.env(db_url, HELIX_LOCKS_WRITE_TIMEOUT_SECONDS="2")
     with running_service(env=env, log=tmp_path / "s.log") as (url, _):
         port = int(url.rsplit(":", 1)[1])

