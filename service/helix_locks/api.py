@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -92,8 +92,8 @@ def _from_this_machine(request: Request) -> None:
     """
     headers = request.headers
     any_host = request.app.state.anonymous_any_host
-    host = _hostname(headers.get("host", ""))
-    if host is None or not (any_host or host == "" or _loopback_name(host)):
+    host = _authority(headers.get("host", ""))
+    if host is None or not (any_host or host.hostname is None or _loopback_name(host.hostname)):
         raise Forbidden(
             "Without API keys this service answers only requests addressed to a loopback name "
             f"(localhost, 127.0.0.1, [::1]), not to {headers.get('host', '')[:100]!r}: create an API key "
@@ -101,9 +101,9 @@ def _from_this_machine(request: Request) -> None:
         )
     origin = headers.get("origin")
     if origin is not None:
-        origin_host = _hostname(origin, url=True)
-        same = any_host and _netloc(origin) == headers.get("host")
-        if not (same or (origin_host and _loopback_name(origin_host))):
+        source = _authority(origin, url=True)
+        same = any_host and source is not None and source.netloc == headers.get("host")
+        if not (same or (source is not None and source.hostname and _loopback_name(source.hostname))):
             raise Forbidden(
                 "Without API keys this service answers no requests from web pages of another origin "
                 f"({origin[:100]!r})."
@@ -116,22 +116,15 @@ def _from_this_machine(request: Request) -> None:
 _HOST = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]*)(:[0-9]{1,5})?")
 
 
-def _hostname(value: str, url: bool = False) -> str | None:
-    """The host a Host header (or, with url, an Origin) names, lower case; None if malformed."""
+def _authority(value: str, url: bool = False) -> SplitResult | None:
+    """A Host header (or, with url, an Origin) taken apart; None unless it is host[:port] alone."""
     try:
         parts = urlsplit(value if url else f"//{value}")
     except ValueError:  # such as an unclosed [
         return None
     if not _HOST.fullmatch(parts.netloc) or parts.path or parts.query or parts.fragment:
         return None
-    return parts.hostname or ""
-
-
-def _netloc(url: str) -> str | None:
-    try:
-        return urlsplit(url).netloc
-    except ValueError:
-        return None
+    return parts
 
 
 def _loopback_name(host: str) -> bool:

@@ -68,6 +68,11 @@ def _lock_ended(exc: psycopg.Error) -> LockError:
     )
 
 
+def _token_mismatch(exc: psycopg.Error) -> LockError:
+    detail = _detail(exc)
+    return TokenMismatch(detail.get("organization_id"), detail.get("job_type"))
+
+
 def _invalid(exc: psycopg.Error) -> LockError:
     return InvalidArgument(exc.diag.column_name or "body", exc.diag.message_primary or "invalid")
 
@@ -82,7 +87,7 @@ SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "23505": _lock_held,
     "22023": _invalid,
     "HL001": lambda exc: LockNotFound(),
-    "HL002": lambda exc: TokenMismatch(_detail(exc).get("organization_id"), _detail(exc).get("job_type")),
+    "HL002": _token_mismatch,
     "HL003": _lock_ended,
     "HL004": lambda exc: QuotaExceeded(int(exc.diag.message_detail or 0)),
     # A primary that just became a standby (failover): it will not take writes, try again.

@@ -182,11 +182,11 @@ class LiveLockQuota:
         """True if the acquire may go by the count (room reserved: settle it with `settled`);
         False if it must go the exact way. QuotaExceeded if the database refused this
         organization an acquire a moment ago and this one could add a live lock."""
-        now = time.monotonic()
-        count = self._counts.get(organization_id)
-        if count is not None and now < count.full_until and not waiting:
+        if self._full(organization_id, waiting):
             await self.refuse_if_it_adds(organization_id, job_type)
             return False
+        now = time.monotonic()
+        count = self._counts.get(organization_id)
         if (
             count is None
             or now - count.at > self.FRESH_SECONDS
@@ -201,6 +201,12 @@ class LiveLockQuota:
             count.pending += 1
             return True
         return False
+
+    def _full(self, organization_id: str, waiting: bool) -> bool:
+        """Whether the database refused the organization an acquire a moment ago (a waiting
+        acquire's attempt, woken by a release, goes by what it finds instead)."""
+        count = self._counts.get(organization_id)
+        return count is not None and time.monotonic() < count.full_until and not waiting
 
     async def refuse_if_it_adds(self, organization_id: str, job_type: str) -> None:
         """QuotaExceeded unless the key has a live lock (an acquire of it adds none)."""
@@ -220,8 +226,7 @@ class LiveLockQuota:
         self._gates[organization_id] = (gate, users + 1)
         try:
             async with gate:
-                count = self._counts.get(organization_id)
-                if count is not None and time.monotonic() < count.full_until and not waiting:
+                if self._full(organization_id, waiting):
                     await self.refuse_if_it_adds(organization_id, job_type)
                 yield
         finally:
