@@ -1,7 +1,7 @@
 """Soak: a steady load of racing lock clients for a long time, some dying with their locks.
 
-    python bench/soak.py                  # 30 minutes
-    python bench/soak.py --minutes 10 --clients 16 --report-every 60
+    python -m bench.soak                  # 30 minutes, from the repository root
+    python -m bench.soak --minutes 10 --clients 16 --report-every 60
 
 The service (`helix-locks serve`, keys required) runs on a throwaway database (DATABASE_URL's
 server, else an embedded PostgreSQL). The clients are tests/load.py's: each takes a random one of
@@ -20,26 +20,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from run import bench_database, interrupted, log, percentile, service_process
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests' load and checker
-
+from bench import interrupted, log
+from bench.database import bench_database
+from bench.results import percentile
+from bench.servers import service_process
 from helix_locks import keys
 from helix_locks.migrate import migrate
 from tests.history import check, database_history
 from tests.load import Load
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+from tests.support import rss_mb
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--clients", type=int, default=16)

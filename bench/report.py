@@ -1,0 +1,111 @@
+"""The report of a run of bench/run.py: the table of medians, every run's figures, CPU, the hot key,
+the wrk cross-check and the failures."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.results import CPUS, Result, percentile
+from bench.wrk import WrkResult
+
+SIDES = ("helix", "etcd", "pgbench")
+
+
+def median(results: list[Result]) -> Result:
+    """The run with the median cycles/s (the upper one of an even count)."""
+    return sorted(results, key=lambda result: result.cycles_per_second)[len(results) // 2]
+
+
+def table(levels: list[int], helix: list[Result], etcd: list[Result], pg: list[Result]) -> str:
+    header = (
+        f"{'clients':>7} | {'helix cycles/s':>14} {'p50 ms':>7} {'p99 ms':>7}"
+        f" {'acquire p50':>11} {'p99':>6} | {'etcd cycles/s':>13} {'p50 ms':>7} {'p99 ms':>7} | "
+        f"{'pgbench cycles/s':>16} {'p50 ms':>7} {'p99 ms':>7} | {'helix/etcd':>10} | {'helix/pgbench':>13}"
+    )
+    lines = [header, "-" * len(header)]
+    for clients, h, e, p in zip(levels, helix, etcd, pg, strict=True):
+        lines.append(
+            f"{clients:>7} | {h.cycles_per_second:>14,.0f} {h.p50_ms:>7.2f} {h.p99_ms:>7.2f}"
+            f" {h.acquire_p50_ms:>11.2f} {h.acquire_p99_ms:>6.2f} | "
+            f"{e.cycles_per_second:>13,.0f} {e.p50_ms:>7.2f} {e.p99_ms:>7.2f} | "
+            f"{p.cycles_per_second:>16,.0f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} | "
+            f"{h.cycles_per_second / e.cycles_per_second:>10.2f} | "
+            f"{h.cycles_per_second / p.cycles_per_second:>13.2f}"
+        )
+    return "\n".join(lines)
+
+
+def wrk_table(levels: list[int], helix: list[WrkResult], etcd: list[WrkResult]) -> str:
+    header = (
+        f"{'clients':>7} | {'helix cycles/s':>14} {'request p50':>11} {'p99 ms':>7} {'wrk cores':>9}"
+        f" | {'etcd cycles/s':>13} {'request p50':>11} {'p99 ms':>7} {'wrk cores':>9} | {'helix/etcd':>10}"
+    )
+    lines = [header, "-" * len(header)]
+    for clients, h, e in zip(levels, helix, etcd, strict=True):
+        helix_side = f"{h.cycles_per_second:>14,.0f} {h.p50_ms:>11.2f} {h.p99_ms:>7.2f} {h.load_cpu:>9.2f}"
+        etcd_side = f"{e.cycles_per_second:>13,.0f} {e.p50_ms:>11.2f} {e.p99_ms:>7.2f} {e.load_cpu:>9.2f}"
+        ratio = h.cycles_per_second / e.cycles_per_second
+        lines.append(f"{clients:>7} | {helix_side} | {etcd_side} | {ratio:>10.2f}")
+    return "\n".join(lines)
+
+
+def report(
+    args: argparse.Namespace,
+    setup: list[str],
+    runs: dict[str, list[list[Result]]],
+    hot: Result,
+    rss: list[float],
+    checked: dict[str, list[WrkResult]],
+) -> str:
+    helix, etcd, pg = ([median(level) for level in runs[side]] for side in SIDES)
+    lines = [
+        "Helix Locks beside etcd and pgbench: acquire+release cycles/s and latency,"
+        " each client on its own key",
+        f"  {args.runs} run(s) of {args.warmup} s warm-up + {args.duration} s measured per level and side,"
+        f" sides in turn; the median run is shown; {CPUS} CPUs shared by everything",
+        *(f"  {line}" for line in setup),
+        "",
+        table(args.levels, helix, etcd, pg),
+        "",
+        "cycles/s of every run, in order:",
+    ]
+    for side, levels in runs.items():
+        for clients, results in zip(args.levels, levels, strict=True):
+            figures = ", ".join(f"{result.cycles_per_second:,.0f}" for result in results)
+            lines.append(f"  {side:>7} at {clients:>3} clients: {figures}")
+    lines += ["", f"CPU busy in the measured windows (median run), in cores of {CPUS}:"]
+    for clients, h, e, p in zip(args.levels, helix, etcd, pg, strict=True):
+        lines.append(
+            f"{clients:>7} clients: helix {h.busy_cpu:.2f} (load generator {h.load_cpu:.2f}),"
+            f" etcd {e.busy_cpu:.2f} (load generator {e.load_cpu:.2f}),"
+            f" pgbench {p.busy_cpu:.2f} (pgbench itself {p.load_cpu:.2f})"
+        )
+    conflict_p50, conflict_p99 = (percentile(hot.conflicts, pct) * 1000 for pct in (50, 99))
+    lines += [
+        "",
+        f"hot key: {max(args.levels)} clients fighting over one key for {args.duration} s:"
+        f" {hot.cycles_per_second:,.0f} grants/s, acquire answered 201 p50/p99"
+        f" {hot.acquire_p50_ms:.2f}/{hot.acquire_p99_ms:.2f} ms; {len(hot.conflicts) / args.duration:,.0f}"
+        f" answers 409/s, p50/p99 {conflict_p50:.2f}/{conflict_p99:.2f} ms;"
+        f" 409 p50 / 201 p50 = {conflict_p50 / hot.acquire_p50_ms:.2f}",
+        "service worker RSS after the runs: " + ", ".join(f"{mb:.1f} MB" for mb in rss),
+    ]
+    if checked["helix"]:
+        lines += [
+            "",
+            "cross-check: the same cycles from wrk (-t N -c N, one run; wrk times requests, not cycles):",
+            wrk_table(args.levels, checked["helix"], checked["etcd"]),
+        ]
+    else:
+        lines += ["", "cross-check with wrk skipped: wrk is not installed (apt-get install wrk)"]
+    failures = {side: sum(r.failures for level in levels for r in level) for side, levels in runs.items()}
+    failures |= {f"{side} (wrk)": sum(r.failures for r in results) for side, results in checked.items()}
+    lines += [
+        "",
+        "failed cycles (unexpected answer or none): " + ", ".join(f"{k} {v}" for k, v in failures.items()),
+    ]
+    errors = [
+        error for levels in runs.values() for level in levels for result in level for error in result.errors
+    ]
+    lines += [f"  e.g. {error}" for error in errors[:5]]
+    return "\n".join(lines)
