@@ -21,7 +21,7 @@ from psycopg import sql
 from helix_locks import embedded
 from helix_locks.app import create_app
 from helix_locks.migrate import migrate
-from tests.support import ROUTE, pgbouncer, url_for
+from tests.support import ROUTE, in_process, pgbouncer, url_for
 
 TEST_DATABASE_URL = "HELIX_TEST_DATABASE_URL"
 # HELIX_TEST_POOLER=pgbouncer: every service under test reaches its database through PgBouncer
@@ -125,9 +125,5 @@ def conn(db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
 async def client(db_url: str) -> AsyncIterator[httpx.AsyncClient]:
     """The app in-process, inside its lifespan, on this test's database."""
     app = create_app(ROUTE.settings(db_url, pool_timeout_seconds=1.0, allow_anonymous=True))
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://localhost") as http,
-    ):
+    async with in_process(app) as http:
         yield http

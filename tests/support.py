@@ -1,4 +1,5 @@
-"""Helpers shared by tests: connection strings, free ports, real service processes."""
+"""Helpers shared by the tests and the benchmarks (bench/): connection strings, free ports, real
+service processes, PgBouncer."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
+from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from helix_locks.embedded import DIRECT_DATABASE_URL
@@ -46,18 +49,33 @@ def helix_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "helix_locks.cli", *args]
 
 
-def wait_ready(base_url: str, process: subprocess.Popen[bytes], timeout: float = 60) -> None:
+class NotReady(RuntimeError):
+    """A service process exited, or was not ready in time."""
+
+
+def wait_ready(
+    base_url: str, process: subprocess.Popen[bytes], log: Path | None = None, timeout: float = 60
+) -> None:
+    """Return once the service at base_url answers /readyz with 200; NotReady, with the tail of its
+    output in `log` when given, if its process exits first or `timeout` s pass."""
+    said = f":\n{tail(log)}" if log else ""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"service exited with {process.returncode} before it was ready")
-        try:
-            if httpx.get(f"{base_url}/readyz", timeout=1).status_code == 200:
+            raise NotReady(f"the service exited with {process.returncode} before it was ready{said}")
+        with suppress(httpx.TransportError):
+            if httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200:
                 return
-        except httpx.TransportError:
-            pass
         time.sleep(0.1)
-    raise TimeoutError(f"{base_url} not ready after {timeout} s")
+    raise NotReady(f"{base_url} was not ready after {timeout:.0f} s{said}")
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    """The last lines of a log file."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
 
 
 @contextmanager
@@ -80,7 +98,7 @@ def running_service(
         )
     base_url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(base_url, process, timeout)
+        wait_ready(base_url, process, log, timeout)
         yield base_url, process
     finally:
         if process.poll() is None:
@@ -104,6 +122,15 @@ def children(pid: int) -> set[int]:
         if int(fields[1]) == pid:
             found.add(int(stat.parent.name))
     return found
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident memory (VmRSS), in MB; NaN when it is gone (read from /proc: Linux)."""
+    with suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def logged_requests(log: Path) -> list[dict[str, Any]]:
@@ -320,3 +347,14 @@ class LyingProxy:
     def __exit__(self, *exc: object) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+@asynccontextmanager
+async def in_process(app: FastAPI, **client: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app in this process, inside its lifespan (whose state every request gets,
+    as under uvicorn); base_url http://localhost unless given."""
+    async with LifespanManager(app, startup_timeout=None, shutdown_timeout=None) as manager:
+        transport = httpx.ASGITransport(app=manager.app)
+        client.setdefault("base_url", "http://localhost")
+        async with httpx.AsyncClient(transport=transport, **client) as http:
+            yield http

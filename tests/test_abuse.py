@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from helix_locks import keys
-from tests.support import ROUTE, running_service
+from tests.support import ROUTE, rss_mb, running_service
 
 # Short deadlines, so that the tests wait seconds, not the defaults' ten.
 TIMEOUTS = {"HELIX_LOCKS_HEAD_TIMEOUT_SECONDS": "1", "HELIX_LOCKS_BODY_TIMEOUT_SECONDS": "1"}
@@ -77,7 +77,7 @@ def test_a_head_within_the_limit_and_a_large_body_in_one_write_are_served(
 def test_a_streamed_endless_header_is_cut_off_and_costs_no_memory(service: tuple[str, int, int]) -> None:
     """64 MiB streamed into one header: the server stops reading after its limit."""
     url, port, pid = service
-    before = _rss_mb(pid)
+    before = rss_mb(pid)
     sent = 0
     with connect(port) as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ")
@@ -88,15 +88,8 @@ def test_a_streamed_endless_header_is_cut_off_and_costs_no_memory(service: tuple
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             pass
     assert sent < 16 * 1024 * 1024, f"the server kept reading: {sent} bytes"
-    assert _rss_mb(pid) - before < 10, "the header was not held in memory"
+    assert rss_mb(pid) - before < 10, "the header was not held in memory"
     assert httpx.get(f"{url}/healthz", timeout=5).status_code == 200
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import pytest
 from helix_locks import keys
 from helix_locks.app import create_app
 from helix_locks.settings import Settings
-from tests.support import ROUTE, TcpProxy
+from tests.support import ROUTE, TcpProxy, in_process
 
 pytestmark = pytest.mark.anyio
 Conn = psycopg.Connection[Any]
@@ -434,11 +434,7 @@ async def test_a_database_that_stops_answering_is_503_not_a_hang(db_url: str) ->
         allow_anonymous=True,
     )
     app = create_app(settings)
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://localhost") as c,
-    ):
+    async with in_process(app) as c:
         await acquire(c)
         proxy.freeze()
         try:
@@ -453,11 +449,7 @@ async def test_a_database_that_stops_answering_is_503_not_a_hang(db_url: str) ->
 
 async def test_readyz_is_503_until_migrated(empty_db_url: str) -> None:
     app = create_app(Settings(database_url=empty_db_url, allow_anonymous=True))
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://localhost") as c,
-    ):
+    async with in_process(app) as c:
         problem = assert_problem(await c.get("/readyz"), 503)
         assert "0001_job_locks.sql" in problem["detail"]
 
@@ -466,11 +458,7 @@ async def test_database_unreachable_is_503_with_retry_after_quickly(db_url: str)
     proxy = TcpProxy(db_url)
     await proxy.start()
     app = create_app(Settings(database_url=proxy.url(db_url), pool_timeout_seconds=1.0, allow_anonymous=True))
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://localhost") as c,
-    ):
+    async with in_process(app) as c:
         grant = await acquire(c)
         await proxy.cut()
         for path, body in (

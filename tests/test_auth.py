@@ -19,6 +19,7 @@ import pytest
 from helix_locks import keys
 from helix_locks.app import create_app
 from helix_locks.settings import Settings
+from tests.support import in_process
 
 pytestmark = pytest.mark.anyio
 KEY_PATTERN = re.compile(r"^hlk_[0-9a-f]{12}_[A-Za-z0-9_-]{43}$")
@@ -51,11 +52,7 @@ def api_keys(db_url: str) -> Keys:
 async def app_client(db_url: str, api_keys: Keys) -> AsyncIterator[httpx.AsyncClient]:
     # allow_anonymous as on loopback: keys exist, so anonymous requests must still be refused.
     app = create_app(Settings(database_url=db_url, allow_anonymous=True))
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://localhost") as http,
-    ):
+    async with in_process(app) as http:
         yield http
 
 
@@ -187,11 +184,7 @@ async def test_keys_are_stored_only_as_hashes(db_url: str, conn: psycopg.Connect
 
 async def test_last_use_is_recorded(db_url: str, api_keys: Keys, conn: psycopg.Connection[Any]) -> None:
     app = create_app(Settings(database_url=db_url))
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://localhost") as http,
-    ):
+    async with in_process(app) as http:
         assert (await http.get("/v1/locks", headers=bearer(api_keys.own))).status_code == 200
     # Flushed at the latest when the process stops.
     used = conn.execute("SELECT id FROM helix_api_keys WHERE last_used_at IS NOT NULL").fetchall()
@@ -202,11 +195,7 @@ async def test_anonymous_is_served_only_while_allowed_and_no_key_exists(db_url: 
     body = {"organization_id": "acme", "job_type": "j", "holder": "w", "ttl_seconds": 5}
     for allowed in (False, True):
         app = create_app(Settings(database_url=db_url, allow_anonymous=allowed))
-        transport = httpx.ASGITransport(app=app)
-        async with (
-            app.router.lifespan_context(app),
-            httpx.AsyncClient(transport=transport, base_url="http://localhost") as c,
-        ):
+        async with in_process(app) as c:
             response = await c.get("/v1/locks")
             assert response.status_code == (200 if allowed else 401)
             if allowed:
@@ -229,11 +218,7 @@ async def eventually_status(
 async def test_an_idempotency_key_replays_only_to_the_same_api_key(db_url: str, api_keys: Keys) -> None:
     second_acme = keys.create(db_url, "acme")
     app = create_app(Settings(database_url=db_url))
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://localhost") as c,
-    ):
+    async with in_process(app) as c:
         body = {"organization_id": "acme", "job_type": "idem", "holder": "w", "ttl_seconds": 30}
         first = await c.post("/v1/locks", json=body, headers={**bearer(api_keys.own), "Idempotency-Key": "k"})
         assert first.status_code == 201

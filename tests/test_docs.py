@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import ast
 import builtins
-import dataclasses
 import json
 import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fastapi.responses import JSONResponse
 
-# The one import of the service's code: the table from errors to problems, the problems each route
-# documents; the package's source is read from where it lives.
-from helix_locks import api, problems
+# The service's code: the declared problem kinds, the domain errors, and the app's OpenAPI
+# document; the package's source is read from where it lives.
+from helix_locks import openapi, problems
+from helix_locks.errors import LockError
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = Path(problems.__file__).resolve().parent
@@ -45,25 +43,6 @@ class Problem:
 
     status: int
     headers: dict[str, str | None]
-
-
-def _field_value(annotation: str, variant: int) -> Any:
-    if annotation.startswith("int"):
-        return variant
-    if annotation.startswith("datetime"):
-        return datetime(2026, 11, 30, 2, 44, variant, tzinfo=UTC)
-    return f"example-{variant}"
-
-
-def _example_error(error: type[Exception], variant: int) -> Exception:
-    """An instance of a domain error, its fields filled from the variant."""
-    factory: Any = error
-    if not dataclasses.is_dataclass(error):
-        made: Exception = factory(f"example {variant}")
-        return made
-    fields = {field.name: _field_value(str(field.type), variant) for field in dataclasses.fields(error)}
-    made = factory(**fields)
-    return made
 
 
 def _answered(response: JSONResponse) -> tuple[str, Problem]:
@@ -102,24 +81,38 @@ def _problem_calls() -> Iterator[tuple[str, Problem]]:
 
 
 def declared_problems() -> dict[str, Problem]:
-    """The problem types the code can answer, from the error table, the routes' documented
-    problems, and every problem built by hand."""
+    """The problem types the code can answer: each declared kind as its example answers (a header
+    whose value comes from the error counts as varying), and every problem built by hand."""
     declared: dict[str, Problem] = {}
-    for error, answer in problems.PROBLEMS.items():
-        kind, first = _answered(answer(_example_error(error, 1)))
-        other_kind, second = _answered(answer(_example_error(error, 7)))
-        assert other_kind == kind and second.status == first.status, error
-        for name, value in list(first.headers.items()):
-            if second.headers.get(name) != value:
-                first.headers[name] = None
-        declared[kind] = first
-    for kind, (_, example) in api.PROBLEM_DOCS.items():
-        documented_kind, found = _answered(example)
-        assert documented_kind == kind, f"PROBLEM_DOCS[{kind!r}] answers {documented_kind!r}"
-        declared.setdefault(kind, found)
-    for kind, found in _problem_calls():
-        declared.setdefault(kind, found)
+    for kind in problems.KINDS.values():
+        name, found = _answered(kind.answer(kind.example))
+        assert name == kind.name, f"{kind.name} answers {name}"
+        if callable(kind.headers):
+            found.headers = dict.fromkeys(found.headers)
+        declared[name] = found
+    for name, found in _problem_calls():
+        declared.setdefault(name, found)
     return declared
+
+
+def _subclasses(error: type[LockError]) -> set[type[LockError]]:
+    found = set(error.__subclasses__())
+    return found.union(*(_subclasses(sub) for sub in found))
+
+
+def test_every_domain_error_answers_as_one_declared_kind() -> None:
+    """Each LockError subclass answers as its own kind or its nearest ancestor's; no kind is
+    declared twice; each is in the API's document and in docs/api.md."""
+    for error in _subclasses(LockError):
+        problems.kind_of(error)  # LookupError if it has none
+    assert set(problems.KINDS) <= _subclasses(LockError)
+    names = Counter(kind.name for kind in problems.KINDS.values())
+    assert [name for name, count in names.items() if count > 1] == []
+    document = openapi.document()
+    documented = problem_table(API_PAGE.read_text())
+    for name in names:
+        assert f'"{URN}{name}"' in document, f"{name} is in no route's responses"
+        assert name in documented, f"{name} is not in docs/api.md"
 
 
 def _without_code(text: str) -> Iterator[str]:

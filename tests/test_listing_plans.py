@@ -5,7 +5,6 @@ generic, beside 200,000 ended locks of another organization; and their answers, 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -17,10 +16,10 @@ from psycopg import sql
 from helix_locks import keys, queries
 from helix_locks.app import create_app
 from helix_locks.db import Database
-from tests.support import ROUTE, url_for
+from tests.plans import LISTINGS, PLAN_MODES, explain, problems
+from tests.support import ROUTE, in_process, url_for
 
 pytestmark = pytest.mark.anyio
-Conn = psycopg.Connection[Any]
 
 BIG, SMALL = "big", "small"  # 200,000 ended locks and 100 live ones; 36 ended and 6 live
 
@@ -63,12 +62,6 @@ SEED = [
     "ANALYZE helix_job_locks",
 ]
 
-LISTINGS = {
-    queries.LIST_LIVE: "helix_job_locks_one_live",
-    queries.LIST_LIVE_OF_JOB_TYPE: "helix_job_locks_one_live",
-    queries.LIST_HISTORY: "helix_job_locks_history_by_organization",
-    queries.LIST_HISTORY_OF_JOB_TYPE: "helix_job_locks_history_by_job_type",
-}
 ACROSS_ORGANIZATIONS = {queries.LIST_LIVE_ALL_ORGANIZATIONS, queries.LIST_HISTORY_ALL_ORGANIZATIONS}
 Sent = list[tuple[str, dict[str, Any]]]
 
@@ -114,11 +107,7 @@ async def service(seeded: str) -> AsyncIterator[tuple[httpx.AsyncClient, str, st
     """The app on the seeded database, with SMALL's key and an admin key."""
     small, admin = keys.create(seeded, SMALL), keys.create(seeded, None)
     app = create_app(ROUTE.settings(seeded, pool_timeout_seconds=1.0))
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://helix.test") as http,
-    ):
+    async with in_process(app, base_url="http://helix.test") as http:
         yield http, small, admin
 
 
@@ -138,74 +127,6 @@ async def pages(client: httpx.AsyncClient, key: str, most: int = 1000, **params:
     return items
 
 
-# The types psycopg gives the parameters (a None is sent untyped; the statement casts it).
-TYPES = {
-    "organization_id": "text",
-    "job_type": "text",
-    "state": "text",
-    "limit": "bigint",
-    "after_organization_id": "text",
-    "after_job_type": "text",
-    "after_released_at": "timestamptz",
-    "after_id": "bigint",
-}
-
-
-def explain(conn: Conn, statement: str, params: dict[str, Any], mode: str) -> dict[str, Any]:
-    """EXPLAIN ANALYZE of the statement, prepared as the service's are, in a plan mode: SQL's
-    PREPARE and EXECUTE, since an EXPLAIN sent with parameters is always planned for their values."""
-    names: list[str] = []
-
-    def placeholder(match: re.Match[str]) -> str:
-        if match[1] not in names:
-            names.append(match[1])
-        return f"${names.index(match[1]) + 1}"
-
-    body = re.sub(r"%\((\w+)\)s", placeholder, statement)
-    conn.execute("DEALLOCATE ALL")
-    conn.execute(f"PREPARE listing ({', '.join(TYPES[name] for name in names)}) AS {body}")
-    conn.execute(sql.SQL("SET plan_cache_mode = {}").format(sql.Literal(mode)))
-    values = sql.SQL(", ").join(sql.Literal(params[name]) for name in names)
-    row = conn.execute(
-        sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE listing ({})").format(values)
-    ).fetchone()
-    assert row is not None
-    root: dict[str, Any] = row[0][0]
-    return root
-
-
-def nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield plan
-    for child in plan.get("Plans", []):
-        yield from nodes(child)
-
-
-def problems(statement: str, params: dict[str, Any], root: dict[str, Any], mode: str) -> list[str]:
-    """What is wrong with a plan for an organization's listing; [] when nothing is."""
-    everything = list(nodes(root["Plan"]))
-    text = json.dumps(root)
-    scans = [n for n in everything if n.get("Index Name") == LISTINGS[statement]]
-    removed = sum(n.get("Rows Removed by Filter", 0) for n in everything)
-    buffers = root["Plan"].get("Shared Hit Blocks", 0) + root["Plan"].get("Shared Read Blocks", 0)
-    limit = params["limit"]
-    found = []
-    if mode == "force_generic_plan" and "$1" not in text:
-        found.append("not a generic plan")
-    if any("Seq Scan" in n["Node Type"] for n in everything):
-        found.append("a Seq Scan")
-    if [n["Node Type"] for n in scans] != ["Index Scan"]:
-        found.append(f"not one Index Scan of {LISTINGS[statement]}")
-    if any(n["Node Type"] in ("Sort", "Incremental Sort") for n in everything):
-        found.append("a Sort: every matching row was read")
-    if any(n["Actual Rows"] > limit + 5 for n in scans):
-        found.append("the index scan went on past LIMIT")
-    if removed > 5:
-        found.append(f"{removed} rows removed by filters")
-    if buffers > 3 * limit + 20:
-        found.append(f"{buffers} buffers for at most {limit} rows")
-    return [f"{what}: {json.dumps(params, default=str)} ({mode}); plan: {text}" for what in found]
-
-
 async def test_an_organizations_listings_read_its_own_range_and_stop_at_limit(
     seeded: str, service: tuple[httpx.AsyncClient, str, str], sent: Sent
 ) -> None:
@@ -223,8 +144,12 @@ async def test_an_organizations_listings_read_its_own_range_and_stop_at_limit(
     found = []
     with psycopg.connect(seeded, autocommit=True, prepare_threshold=None) as conn:
         for statement, params in sent:
-            for mode in ("force_custom_plan", "force_generic_plan"):
-                found += problems(statement, params, explain(conn, statement, params, mode), mode)
+            for mode in PLAN_MODES:
+                root = explain(conn, statement, params, mode)
+                found += [
+                    f"{what}: {json.dumps(params, default=str)} ({mode}); plan: {json.dumps(root)}"
+                    for what in problems(statement, root, mode, params["limit"])
+                ]
     assert not found, "\n".join(found)
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,11 +16,11 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helix_locks import keys, telemetry
+from helix_locks import keys, openapi, telemetry
 from helix_locks.app import create_app
 from helix_locks.locks import Locks
 from helix_locks.settings import Settings
-from tests.support import running_service
+from tests.support import in_process, running_service
 from tests.test_api import expire, lock_body
 
 pytestmark = pytest.mark.anyio
@@ -46,12 +48,8 @@ def admin(db_url: str) -> str:
 
 async def app_client(db_url: str, admin: str, **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(Settings(database_url=db_url, **settings))
-    transport = httpx.ASGITransport(app=app)
     headers = {"Authorization": f"Bearer {admin}"}
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://localhost", headers=headers) as http,
-    ):
+    async with in_process(app, headers=headers) as http:
         yield http
 
 
@@ -109,6 +107,45 @@ async def test_every_outcome_is_counted(client: httpx.AsyncClient, conn: Conn) -
     assert value(found, "helix_locks_locks", state="held") == 1, held
     assert value(found, "helix_locks_locks", state="expired") == 1
     assert value(found, "helix_locks_pool_connections") >= 1
+
+
+async def test_every_route_is_counted_under_its_path(client: httpx.AsyncClient) -> None:
+    """Each route of the API's document counts its requests under its path; the three lock
+    operations count each answer in their own counter too, found by the route's method and path."""
+    lock = (await client.post("/v1/locks", json=lock_body(job_type="routes"))).json()
+    sent: Counter[tuple[str, str]] = Counter({("POST", "/v1/locks"): 1})
+    routes = [
+        (method.upper(), path)
+        for path, operations in json.loads(openapi.document())["paths"].items()
+        for method in operations
+    ]
+    assert set(telemetry.OPERATIONS) <= set(routes)
+    for method, path in sorted(routes, key=lambda route: route[0] == "DELETE"):  # the release last
+        response = await client.request(
+            method,
+            path.replace("{lock_id}", str(lock["id"])),
+            headers={"Lock-Token": lock["token"]},
+            params={"organization_id": lock["organization_id"], "job_type": "routes"},
+            json={"ttl_seconds": 30}
+            if path.endswith("/renew")
+            else lock_body(job_type="other")
+            if method == "POST"
+            else None,
+        )
+        assert response.status_code < 300, (method, path, response.text)
+        sent[method, path] += 1
+    found = samples((await client.get("/metrics")).text)
+    for (method, path), count in sent.items():
+        counted = sum(
+            seen
+            for (name, labels), seen in found.items()
+            if name == "helix_locks_http_request_duration_seconds_count"
+            and {("method", method), ("route", path)} <= labels
+        )
+        assert counted >= count, (method, path)  # /metrics counts itself once it has answered
+        if (method, path) in telemetry.OPERATIONS:
+            counter = f"helix_locks_{telemetry.OPERATIONS[method, path]}_total"
+            assert sum(seen for (name, _), seen in found.items() if name == counter) == count, counter
 
 
 async def test_the_lock_gauges_are_read_at_most_every_few_seconds(

@@ -31,7 +31,16 @@ from helix_locks.app import create_app
 from helix_locks.embedded import DIRECT_DATABASE_URL
 from helix_locks.settings import Settings
 from tests.history import Told, check, database_history
-from tests.support import PGBOUNCER, ROUTE, free_port, helix_command, pgbouncer, running_service, through
+from tests.support import (
+    PGBOUNCER,
+    ROUTE,
+    free_port,
+    helix_command,
+    in_process,
+    pgbouncer,
+    running_service,
+    through,
+)
 
 Conn = psycopg.Connection[Any]
 KEY = {"organization_id": "acme", "job_type": "hot"}
@@ -71,11 +80,7 @@ def defaults_db_url(request: pytest.FixtureRequest, db_url: str, conn: Conn) -> 
 @asynccontextmanager
 async def service(db_url: str, **settings: Any) -> AsyncIterator[httpx.AsyncClient]:
     app = create_app(ROUTE.settings(db_url, allow_anonymous=True, **settings))
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as http,
-    ):
+    async with in_process(app, timeout=30) as http:
         yield http
 
 
@@ -199,12 +204,8 @@ async def test_an_app_built_behind_a_pooler_without_a_direct_url_answers_503_not
         pool_max_size=2,
     )
     app = create_app(settings)
-    transport = httpx.ASGITransport(app=app)
     statuses: Counter[int] = Counter()
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://localhost") as http,
-    ):
+    async with in_process(app) as http:
         for batch in range(10):  # two connections at once, each with its own _pg3_0, _pg3_1...
             if batch == 5:  # new server connections behind the pooler: what was prepared is gone
                 conn.execute(

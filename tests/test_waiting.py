@@ -15,12 +15,13 @@ from typing import Any, cast
 import httpx
 import psycopg
 import pytest
+from asgi_lifespan import LifespanManager
 
 from helix_locks.app import create_app
 from helix_locks.errors import DatabaseUnavailable, LockHeld
 from helix_locks.locks import Grant
 from helix_locks.waiting import Waiters
-from tests.support import ROUTE, running_service
+from tests.support import ROUTE, in_process, running_service
 
 pytestmark = pytest.mark.anyio
 Conn = psycopg.Connection[Any]
@@ -100,11 +101,7 @@ async def test_waiters_in_one_process_are_served_in_arrival_order(client: httpx.
 
 async def test_beyond_the_waiter_cap_the_answer_is_503(db_url: str) -> None:
     app = create_app(ROUTE.settings(db_url, allow_anonymous=True, max_waiters=1))
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://localhost") as c,
-    ):
+    async with in_process(app) as c:
         await grant(c, "holder")
         waiting = asyncio.create_task(c.post("/v1/locks", json=body("one", wait=1)))
         await asyncio.sleep(0.2)
@@ -163,10 +160,10 @@ def test_a_waiter_whose_client_left_does_not_keep_the_lock(db_url: str, tmp_path
 
 
 async def test_stopping_the_service_answers_waiting_requests(db_url: str) -> None:
-    app = create_app(ROUTE.settings(db_url, allow_anonymous=True))
-    transport = httpx.ASGITransport(app=app)
+    lifespan = LifespanManager(create_app(ROUTE.settings(db_url, allow_anonymous=True)))
+    transport = httpx.ASGITransport(app=lifespan.app)
     async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as c:
-        async with app.router.lifespan_context(app):
+        async with lifespan:
             await grant(c, "holder")
             waiting = asyncio.create_task(c.post("/v1/locks", json=body("waiter", wait=30)))
             await asyncio.sleep(0.2)
@@ -299,11 +296,7 @@ async def test_one_organization_filling_its_waiting_share_leaves_the_others_thei
     429 with Retry-After, and globex still waits as usual."""
     settings = ROUTE.settings(db_url, allow_anonymous=True, max_waiters=50, max_waiters_per_organization=10)
     app = create_app(settings)
-    transport = httpx.ASGITransport(app=app)
-    async with (
-        app.router.lifespan_context(app),
-        httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as c,
-    ):
+    async with in_process(app, timeout=30) as c:
         for org in ("acme", "globex"):
             held = await c.post("/v1/locks", json={**body("holder"), "organization_id": org})
             assert held.status_code == 201

@@ -4,45 +4,47 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 from urllib.parse import SplitResult, urlsplit
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
 from helix_locks import logs, migrate, problems
+from helix_locks.db import Database
 from helix_locks.errors import (
+    BodyTooLarge,
     DatabaseUnavailable,
     Forbidden,
     InvalidArgument,
+    InvalidRequest,
     LockEnded,
     LockHeld,
     LockNotFound,
     OrganizationWaitersFull,
     QuotaExceeded,
     SchemaNotReady,
-    ShuttingDown,
     TokenMismatch,
+    TooManyWaiters,
     Unauthenticated,
     UnsupportedMediaType,
+    WaitInterrupted,
 )
 from helix_locks.keys import ANONYMOUS, Caller, KeyRing
 from helix_locks.locks import Grant, Locks, State
+from helix_locks.outcome import Outcome, outcome
 from helix_locks.schemas import (
     AcquireRequest,
     GrantBody,
     Identifier,
     LockBody,
     PageBody,
-    Problem,
     RenewalBody,
     RenewRequest,
     ttl_ms,
@@ -51,6 +53,29 @@ from helix_locks.telemetry import Metrics
 from helix_locks.waiting import Waiters
 
 BIGINT_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Services:
+    """What the routes work with: made by the app's lifespan, handed to every request in its state."""
+
+    locks: Locks
+    keys: KeyRing
+    waiters: Waiters
+    metrics: Metrics
+    db: Database
+    anonymous_any_host: bool  # without keys, answer requests addressed to any host name
+
+
+class LifespanState(TypedDict):
+    """The lifespan's state (starlette copies it into every request's)."""
+
+    services: Services
+
+
+def services(request: Request) -> Services:
+    found: Services = request.state.services
+    return found
 
 
 @dataclass(frozen=True)
@@ -73,15 +98,15 @@ SECURITY_SCHEMES = {
 
 async def authorized(request: Request) -> Session:
     """The caller the request's API key names (Unauthenticated if none), and the lock operations."""
-    keys: KeyRing = request.app.state.keys
-    caller = await keys.authenticate(request.headers.get("authorization"))
+    found = services(request)
+    caller = await found.keys.authenticate(request.headers.get("authorization"))
     if caller is ANONYMOUS:
-        _from_this_machine(request)
+        _from_this_machine(request, found.anonymous_any_host)
     logs.bind(key_id=caller.key_id)
-    return Session(caller, request.app.state.locks)
+    return Session(caller, found.locks)
 
 
-def _from_this_machine(request: Request) -> None:
+def _from_this_machine(request: Request, any_host: bool) -> None:
     """Without API keys, the port is the only barrier, and a web page in a browser on this
     machine can reach it: refuse what only such a page would send.
     - A Host other than a loopback name: DNS rebinding (attacker.example resolved to 127.0.0.1
@@ -91,7 +116,6 @@ def _from_this_machine(request: Request) -> None:
       while application/json needs a CORS preflight, which this service never grants.
     """
     headers = request.headers
-    any_host = request.app.state.anonymous_any_host
     host = _authority(headers.get("host", ""))
     if host is None or not (any_host or host.hostname is None or _loopback_name(host.hostname)):
         raise Forbidden(
@@ -162,97 +186,6 @@ def json_body(body: BaseModel, status_code: int = 200, headers: Mapping[str, str
     return Response(body.model_dump_json(), status_code, headers, media_type="application/json")
 
 
-# Each problem a route may answer, by kind: when it comes, and an example made by problems.py itself.
-_EXPIRES, _ENDED = (
-    datetime(2026, 11, 30, 2, 44, 52, 375915, UTC),
-    datetime(2026, 11, 30, 2, 45, 3, 512204, UTC),
-)
-PROBLEM_DOCS: dict[str, tuple[str, JSONResponse]] = {
-    "unauthenticated": (
-        "The API key is missing, unknown or revoked.",
-        problems.from_error(Unauthenticated("The API key is unknown or revoked.")),
-    ),
-    "forbidden": (
-        "The API key may not do this: another organization, force or the metrics without an admin key;"
-        " or, with no API keys at all, a request a web page could have sent (a Host or Origin that is"
-        " not a loopback name).",
-        problems.from_error(Forbidden("This API key acts only in organization acme.")),
-    ),
-    "token-mismatch": (
-        "The Lock-Token does not match this lock, whatever its state.",
-        problems.from_error(TokenMismatch()),
-    ),
-    "lock-not-found": ("No such lock for this caller.", problems.from_error(LockNotFound())),
-    "lock-held": (
-        "A live lock holds this organization and job type; Retry-After: whole seconds until it expires.",
-        problems.from_error(LockHeld(1, "worker-7@host-3", _EXPIRES, 30)),
-    ),
-    "lock-ended": (
-        "The lock had already ended (released, reclaimed or forced): its holder no longer owns it.",
-        problems.from_error(LockEnded(1, "reclaimed", _ENDED)),
-    ),
-    "body-too-large": (
-        "The request body is over 64 KiB.",
-        problems.problem(
-            413, "body-too-large", "Request body too large", "A request body may be at most 65536 bytes."
-        ),
-    ),
-    "unsupported-media-type": (
-        "The body is not declared as JSON: send Content-Type: application/json.",
-        problems.from_error(UnsupportedMediaType()),
-    ),
-    "invalid-request": (
-        "A parameter, header or body field is invalid, or the body is not JSON; errors names each.",
-        problems.from_error(InvalidArgument("ttl_seconds", "Input should be less than or equal to 86400")),
-    ),
-    "database-unavailable": (
-        "The database cannot be reached; try again after Retry-After.",
-        problems.from_error(DatabaseUnavailable("connection refused")),
-    ),
-    "not-migrated": (
-        "The database schema lacks this build's migrations.",
-        problems.from_error(SchemaNotReady("migrations not applied: 0004_api_keys")),
-    ),
-    "too-many-waiters-in-organization": (
-        "wait_seconds: this organization already has as many acquires waiting in this service process as"
-        " one may have (HELIX_LOCKS_MAX_WAITERS_PER_ORGANIZATION); try again after Retry-After.",
-        problems.from_error(OrganizationWaitersFull(1000)),
-    ),
-    "quota-exceeded": (
-        "This organization already has as many live locks (held, or lapsed and not yet reclaimed) as"
-        " one may have (HELIX_LOCKS_MAX_LIVE_LOCKS_PER_ORGANIZATION); an"
-        " acquire of a key that has a live lock still goes on.",
-        problems.from_error(QuotaExceeded(10_000)),
-    ),
-    "service-stopping": (
-        "The service was told to stop, and this request did not finish within the grace time.",
-        problems.from_error(ShuttingDown()),
-    ),
-    "internal-error": ("Any other error, such as a failure of the service.", problems.internal()),
-}
-_HEADERS = {
-    "retry-after": ("Retry-After", "Whole seconds to wait before trying again.", "integer"),
-    "www-authenticate": ("WWW-Authenticate", "Bearer: send an API key.", "string"),
-}
-
-
-def _problems(*kinds: str) -> dict[int | str, dict[str, Any]]:
-    """A route's problem responses, with an example of each kind; `default` stands for any other."""
-    responses: dict[int | str, dict[str, Any]] = {}
-    for kind in (*kinds, "service-stopping", "internal-error"):
-        description, example = PROBLEM_DOCS[kind]
-        key = "default" if kind == "internal-error" else example.status_code
-        content = {"schema": {"$ref": "#/components/schemas/Problem"}, "examples": {}}
-        response = responses.setdefault(key, {"model": Problem, "content": {problems.MEDIA_TYPE: content}})
-        response["description"] = f"{response.get('description', '')} {description}".strip()
-        body = json.loads(bytes(example.body))
-        response["content"][problems.MEDIA_TYPE]["examples"][kind] = {"summary": body["title"], "value": body}
-        for header, (name, about, kind_of) in _HEADERS.items():
-            if header in example.headers:
-                response.setdefault("headers", {})[name] = {"description": about, "schema": {"type": kind_of}}
-    return responses
-
-
 router = APIRouter(prefix="/v1", tags=["locks"])
 
 
@@ -266,16 +199,18 @@ router = APIRouter(prefix="/v1", tags=["locks"])
     response_description="The lock, granted to you; Location names it.",
     responses={
         201: {"headers": {"Location": {"description": "/v1/locks/{id}", "schema": {"type": "string"}}}},
-        **_problems(
-            "unauthenticated",
-            "forbidden",
-            "lock-held",
-            "body-too-large",
-            "unsupported-media-type",
-            "invalid-request",
-            "too-many-waiters-in-organization",
-            "quota-exceeded",
-            "database-unavailable",
+        **problems.responses(
+            Unauthenticated,
+            Forbidden,
+            LockHeld,
+            BodyTooLarge,
+            UnsupportedMediaType,
+            InvalidRequest,
+            OrganizationWaitersFull,
+            QuotaExceeded,
+            DatabaseUnavailable,
+            TooManyWaiters,
+            WaitInterrupted,
         ),
     },
 )
@@ -295,7 +230,9 @@ async def acquire(
 ) -> Response:
     """Acquire the lock for (organization_id, job_type), reclaiming it if its lease ran out."""
     session = await authorized(request)
-    logs.bind(organization_id=body.organization_id, job_type=body.job_type, holder=body.holder)
+    answered = outcome(request.scope)
+    answered.about(body.organization_id, body.job_type)
+    logs.bind(holder=body.holder)
     locks, caller = session.locks, session.caller
 
     async def attempt() -> Grant:
@@ -315,11 +252,8 @@ async def acquire(
         grant = await _wait_for(request, body, attempt, locks, caller)
     else:
         grant = await attempt()
-    logs.bind(
-        lock_id=grant.lock.id,
-        fencing_token=grant.lock.fencing_token,
-        outcome="reclaimed" if grant.reclaimed else "granted",
-    )
+    logs.bind(lock_id=grant.lock.id, fencing_token=grant.lock.fencing_token)
+    answered.result = "reclaimed" if grant.reclaimed else "granted"
     if grant.reclaimed:  # its worker died holding it, or stalled past its lease
         logs.bind(reclaimed_lock_id=grant.reclaimed.lock_id, reclaimed_holder=grant.reclaimed.holder)
     return json_body(GrantBody.of_grant(grant), 201, {"Location": f"/v1/locks/{grant.lock.id}"})
@@ -333,7 +267,6 @@ async def _wait_for(
     caller: Caller,
 ) -> Grant:
     """Acquire, waiting up to wait_seconds; a client that leaves is dropped, any grant it got released."""
-    waiters: Waiters = request.app.state.waiters
     gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     async def watch() -> None:
@@ -346,17 +279,17 @@ async def _wait_for(
         # handed this grant meanwhile: then it is the retry's to keep.
         await locks.release_unclaimed(caller, grant.lock.id, grant.token)
 
-    keys: KeyRing = request.app.state.keys
+    found = services(request)
     authorization = request.headers.get("authorization")
 
     async def attempt_if_still_allowed() -> Grant:
         # A key revoked while its request waits is refused before the next attempt, not granted.
-        await keys.authenticate(authorization)
+        await found.keys.authenticate(authorization)
         return await attempt()
 
     watcher = asyncio.create_task(watch())
     try:
-        return await waiters.acquire(
+        return await found.waiters.acquire(
             (body.organization_id, body.job_type),
             body.wait_seconds,
             attempt_if_still_allowed,
@@ -378,7 +311,7 @@ async def _wait_for(
     operation_id="listLocks",
     openapi_extra=BEARER_REQUIRED,
     response_description="One page of locks.",
-    responses=_problems("unauthenticated", "invalid-request", "database-unavailable"),
+    responses=problems.responses(Unauthenticated, InvalidRequest, DatabaseUnavailable),
 )
 async def list_locks(
     request: Request,
@@ -414,7 +347,7 @@ async def list_locks(
     operation_id="currentLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The held lock; check its fencing_token.",
-    responses=_problems("unauthenticated", "lock-not-found", "invalid-request", "database-unavailable"),
+    responses=problems.responses(Unauthenticated, LockNotFound, InvalidRequest, DatabaseUnavailable),
 )
 async def current(request: Request, organization_id: Identifier, job_type: Identifier) -> Response:
     """The lock held now for the key (404 when none is, a lapsed lease included)."""
@@ -429,7 +362,7 @@ async def current(request: Request, organization_id: Identifier, job_type: Ident
     operation_id="getLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The lock.",
-    responses=_problems("unauthenticated", "lock-not-found", "database-unavailable"),
+    responses=problems.responses(Unauthenticated, LockNotFound, DatabaseUnavailable),
 )
 async def get_lock(request: Request, lock_id: LockIdPath) -> Response:
     """One lock, in any state."""
@@ -444,14 +377,14 @@ async def get_lock(request: Request, lock_id: LockIdPath) -> Response:
     operation_id="releaseLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="Released (also when its lease had lapsed but nobody had reclaimed it).",
-    responses=_problems(
-        "unauthenticated",
-        "forbidden",
-        "token-mismatch",
-        "lock-not-found",
-        "lock-ended",
-        "invalid-request",
-        "database-unavailable",
+    responses=problems.responses(
+        Unauthenticated,
+        Forbidden,
+        TokenMismatch,
+        LockNotFound,
+        LockEnded,
+        InvalidRequest,
+        DatabaseUnavailable,
     ),
 )
 async def release(
@@ -464,19 +397,17 @@ async def release(
 ) -> Response:
     """Release a lock you hold; 410 tells you it had already ended."""
     session = await authorized(request)
+    answered = outcome(request.scope)
     locks, caller, id_ = session.locks, session.caller, known_lock_id(lock_id)
     if force:
         lock = await locks.force_release(caller, id_)
     elif token is None:
         raise InvalidArgument("Lock-Token", "Field required")
     else:
-        async with _naming_the_lock():
+        async with _naming_the_lock(answered):
             lock = await locks.release(caller, id_, token)
-    logs.bind(
-        organization_id=lock.organization_id,
-        job_type=lock.job_type,
-        outcome="forced" if force else "released",
-    )
+    answered.about(lock.organization_id, lock.job_type)
+    answered.result = "forced" if force else "released"
     return Response(status_code=204)
 
 
@@ -487,40 +418,38 @@ async def release(
     operation_id="renewLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The lock with its new expires_at; lapsed says whether the lease had run out.",
-    responses=_problems(
-        "unauthenticated",
-        "token-mismatch",
-        "lock-not-found",
-        "lock-ended",
-        "unsupported-media-type",
-        "invalid-request",
-        "database-unavailable",
+    responses=problems.responses(
+        Unauthenticated,
+        TokenMismatch,
+        LockNotFound,
+        LockEnded,
+        UnsupportedMediaType,
+        InvalidRequest,
+        DatabaseUnavailable,
     ),
 )
 async def renew(request: Request, lock_id: LockIdPath, token: LockToken, body: RenewRequest) -> Response:
     """Extend the lease to database-now + ttl_seconds; works on a lapsed lease nobody reclaimed."""
     session = await authorized(request)
+    answered = outcome(request.scope)
     id_ = known_lock_id(lock_id)
-    async with _naming_the_lock():
+    async with _naming_the_lock(answered):
         renewal = await session.locks.renew(session.caller, id_, token, ttl_ms(body.ttl_seconds))
-    logs.bind(
-        organization_id=renewal.lock.organization_id,
-        job_type=renewal.lock.job_type,
-        outcome="renewed",
-        lapsed=renewal.lapsed,
-    )
+    answered.about(renewal.lock.organization_id, renewal.lock.job_type)
+    answered.result = "renewed"
+    logs.bind(lapsed=renewal.lapsed)
     return json_body(RenewalBody.of_renewal(renewal))
 
 
 @asynccontextmanager
-async def _naming_the_lock() -> AsyncIterator[None]:
+async def _naming_the_lock(answered: Outcome) -> AsyncIterator[None]:
     """A holder told its lock ended (410) or given the wrong token (403): its log line and the
     lost-lock metric name the organization and job type too, which the database's answer carries."""
     try:
         yield
     except (LockEnded, TokenMismatch) as exc:
         if exc.organization_id is not None:
-            logs.bind(organization_id=exc.organization_id, job_type=exc.job_type)
+            answered.about(exc.organization_id, exc.job_type)
         raise
 
 
@@ -537,11 +466,11 @@ async def healthz() -> dict[str, Literal["ok"]]:
     "/readyz",
     summary="Readiness",
     operation_id="readyz",
-    responses=_problems("database-unavailable", "not-migrated"),
+    responses=problems.responses(DatabaseUnavailable, SchemaNotReady),
 )
 async def readyz(request: Request) -> dict[str, Literal["ready"]]:
     """The database answers and every migration of this build is applied."""
-    await migrate.check_ready(request.app.state.locks.db)
+    await migrate.check_ready(services(request).db)
     return {"status": "ready"}
 
 
@@ -553,7 +482,7 @@ async def readyz(request: Request) -> dict[str, Literal["ready"]]:
     openapi_extra=BEARER_REQUIRED,
     responses={
         200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-        **_problems("unauthenticated", "forbidden"),
+        **problems.responses(Unauthenticated, Forbidden),
     },
 )
 async def metrics(request: Request) -> PlainTextResponse:
@@ -562,8 +491,8 @@ async def metrics(request: Request) -> PlainTextResponse:
     caller = (await authorized(request)).caller
     if not (caller.admin or caller is ANONYMOUS):
         raise Forbidden("Only an admin API key may read the metrics.")
-    telemetry: Metrics = request.app.state.metrics
-    await telemetry.sample_locks(request.app.state.locks.db)
-    telemetry.sample_pool(request.app.state.locks.db.pool)
-    body, media_type = telemetry.render()
+    found = services(request)
+    await found.metrics.sample_locks(found.db)
+    found.metrics.sample_pool(found.db.pool)
+    body, media_type = found.metrics.render()
     return PlainTextResponse(body, media_type=media_type)

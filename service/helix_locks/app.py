@@ -26,7 +26,15 @@ from swagger_ui_bundle import swagger_ui_path
 
 from helix_locks import api, problems, queries, telemetry
 from helix_locks.db import Database, create_pool
-from helix_locks.errors import DatabaseUnavailable, EmptyResult, LockError, UnsupportedMediaType
+from helix_locks.errors import (
+    BodyTooLarge,
+    DatabaseUnavailable,
+    EmptyResult,
+    InvalidArgument,
+    InvalidRequest,
+    LockError,
+    UnsupportedMediaType,
+)
 from helix_locks.keys import KeyRing
 from helix_locks.listener import Listener
 from helix_locks.locks import LiveLockQuota, Locks
@@ -64,13 +72,7 @@ class BodyLimit:
             if not message.get("more_body", False):
                 break
         if too_large:
-            response = problems.problem(
-                413,
-                "body-too-large",
-                "Request body too large",
-                f"A request body may be at most {self.max_bytes} bytes.",
-            )
-            await response(scope, receive, send)
+            await problems.from_error(BodyTooLarge(self.max_bytes))(scope, receive, send)
             return
         replayed = False
 
@@ -103,7 +105,7 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
         }
         for err in exc.errors()
     ]
-    return problems.invalid(errors)
+    return problems.from_error(InvalidRequest(errors))
 
 
 async def _domain_error(request: Request, exc: Exception) -> JSONResponse:
@@ -119,7 +121,7 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 400:
         # FastAPI's only 400: a body it could not decode (not UTF-8, nested too deep for JSON).
-        return problems.invalid([{"field": "body", "message": "not a readable JSON document"}])
+        return problems.from_error(InvalidArgument("body", "not a readable JSON document"))
     headers = dict(exc.headers or {})
     if exc.status_code == 405:
         # Starlette names only the methods of the first route that matched the path.
@@ -181,64 +183,71 @@ def _answer_waiters_on_stop(waiters: Waiters) -> Callable[[], None]:
     return undo
 
 
+async def _cancelled(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The service; settings come from the environment unless given."""
     settings = settings or Settings()  # type: ignore[call-arg]  # database_url comes from the env
     metrics = telemetry.Metrics(settings.metrics_organization_label)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        pool = create_pool(settings)
-        # Not waiting for connections: a worker that starts while PostgreSQL is away (uvicorn
-        # replacing one that crashed, say) serves 503 until it is back, rather than failing to
-        # start, which makes uvicorn stop every worker.
-        await pool.open(wait=False)
-        db = Database(pool, settings)
-        app.state.locks = Locks(db, LiveLockQuota(db, settings.max_live_locks_per_organization))
-        app.state.keys = keys = KeyRing(db, settings.allow_anonymous)
-        app.state.anonymous_any_host = settings.anonymous_any_host
-        app.state.waiters = waiters = Waiters(settings.max_waiters, settings.max_waiters_per_organization)
+    async def lifespan(app: FastAPI) -> AsyncIterator[api.LifespanState]:
+        async with contextlib.AsyncExitStack() as stack:  # what starts here stops in reverse order
+            pool = create_pool(settings)
+            # Not waiting for connections: a worker that starts while PostgreSQL is away (uvicorn
+            # replacing one that crashed, say) serves 503 until it is back, rather than failing to
+            # start, which makes uvicorn stop every worker.
+            await pool.open(wait=False)
+            db = Database(pool, settings)
+            stack.push_async_callback(db.close)
+            keys = KeyRing(db, settings.allow_anonymous)
+            await keys.start()
+            stack.push_async_callback(keys.stop)
+            waiters = Waiters(settings.max_waiters, settings.max_waiters_per_organization)
 
-        async def probe(payload: str) -> None:
-            await db.fetch_all(queries.PROBE, {"payload": payload})
+            async def probe(payload: str) -> None:
+                await db.fetch_all(queries.PROBE, {"payload": payload})
 
-        # LISTEN needs a session of its own: the direct URL, when database_url is a pooler's.
-        keys.listener = listener = Listener(
-            settings.session_database_url,
-            {queries.KEYS_CHANNEL: keys.reload, queries.RELEASED_CHANNEL: waiters.released},
-            probe,
-            settings.statement_timeout_ms,
-        )
-        await listener.start()
-        await keys.start()
-        pruner = None
-        if settings.retention_days > 0:
-            keep = timedelta(days=settings.retention_days)
-            pruner = Pruner(db, keep, settings.retention_batch, settings.retention_interval_seconds)
-            await pruner.start()
-        sampler = asyncio.create_task(metrics.sample_pool_every(pool), name="helix-locks-pool-metrics")
-        undo_signals = _answer_waiters_on_stop(waiters)
-        # What exists now (modules, the app, its routes and schemas) lives as long as the app.
-        # Out of the collector's sight, a full collection is far shorter (docs/performance.md): a
-        # pause that every request in flight waits out. Undone at the end, for processes that
-        # run one app after another (the tests).
-        gc.collect()
-        gc.freeze()
-        try:
-            yield
-        finally:
-            gc.unfreeze()
-            undo_signals()
-            sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sampler
-            telemetry.forget_this_worker()
-            if pruner is not None:
-                await pruner.stop()
-            waiters.close()
-            await listener.stop()
-            await keys.stop()
-            await db.close()
+            # LISTEN needs a session of its own: the direct URL, when database_url is a pooler's.
+            keys.listener = listener = Listener(
+                settings.session_database_url,
+                {queries.KEYS_CHANNEL: keys.reload, queries.RELEASED_CHANNEL: waiters.released},
+                probe,
+                settings.statement_timeout_ms,
+            )
+            await listener.start()
+            stack.push_async_callback(listener.stop)
+            stack.callback(waiters.close)
+            if settings.retention_days > 0:
+                keep = timedelta(days=settings.retention_days)
+                pruner = Pruner(db, keep, settings.retention_batch, settings.retention_interval_seconds)
+                await pruner.start()
+                stack.push_async_callback(pruner.stop)
+            stack.callback(telemetry.forget_this_worker)
+            sampler = asyncio.create_task(metrics.sample_pool_every(pool), name="helix-locks-pool-metrics")
+            stack.push_async_callback(_cancelled, sampler)
+            stack.callback(_answer_waiters_on_stop(waiters))
+            # What exists now (modules, the app, its routes and schemas) lives as long as the app.
+            # Out of the collector's sight, a full collection is far shorter (docs/performance.md):
+            # a pause that every request in flight waits out. Undone at the end, for processes that
+            # run one app after another (the tests).
+            gc.collect()
+            gc.freeze()
+            stack.callback(gc.unfreeze)
+            yield {
+                "services": api.Services(
+                    locks=Locks(db, LiveLockQuota(db, settings.max_live_locks_per_organization)),
+                    keys=keys,
+                    waiters=waiters,
+                    metrics=metrics,
+                    db=db,
+                    anonymous_any_host=settings.anonymous_any_host,
+                )
+            }
 
     app = FastAPI(
         docs_url=None,  # served below, with Swagger UI's files from the package
@@ -273,7 +282,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(HTTPException, _http_error)
     app.add_middleware(BodyLimit)
     app.add_middleware(telemetry.Observe, metrics=metrics)  # outermost: sees every answer
-    app.state.metrics = metrics
 
     def openapi() -> dict[str, Any]:
         """FastAPI's document, with the API key scheme that the lock routes check themselves."""

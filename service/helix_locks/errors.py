@@ -47,11 +47,24 @@ class LockEnded(LockError):
 
 
 @dataclass
-class InvalidArgument(LockError):
-    """A value the caller sent is out of range or unreadable."""
+class InvalidRequest(LockError):
+    """Values the caller sent are out of range or unreadable: {"field", "message"} for each."""
 
-    field: str
-    message: str
+    errors: list[dict[str, str]]
+
+
+class InvalidArgument(InvalidRequest):
+    """One value the caller sent is out of range or unreadable."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__([{"field": field, "message": message}])
+
+
+@dataclass
+class BodyTooLarge(LockError):
+    """A request body over the limit, declared or streamed."""
+
+    max_bytes: int
 
 
 @dataclass
@@ -120,5 +133,9 @@ class ShuttingDown(LockError):
     """The service stopped before the request finished (SIGTERM, and the grace time ran out)."""
 
 
-class EmptyResult(LockError):
+class InternalError(LockError):
+    """The service failed: a bug, logged where it happened."""
+
+
+class EmptyResult(InternalError):
     """A function that must return a row returned none: a bug, never a success."""

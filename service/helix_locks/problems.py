@@ -1,19 +1,28 @@
-"""The one table from domain errors to RFC 9457 problem responses, and the response builder."""
+"""Every problem type, declared once: from a domain error to its RFC 9457 answer, and what the
+OpenAPI document says of it.
+
+An error's kind is found along its class hierarchy (EmptyResult answers as InternalError). Each
+answer records its kind in the request's outcome when it is sent, wherever it was built (an
+error handler, a middleware), so that the log line and the metrics read it from there.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.types import Receive, Scope, Send
 
-from helix_locks import logs
 from helix_locks.errors import (
+    BodyTooLarge,
     DatabaseUnavailable,
-    EmptyResult,
     Forbidden,
-    InvalidArgument,
+    InternalError,
+    InvalidRequest,
     LockEnded,
     LockError,
     LockHeld,
@@ -28,27 +37,49 @@ from helix_locks.errors import (
     UnsupportedMediaType,
     WaitInterrupted,
 )
+from helix_locks.outcome import outcome
+from helix_locks.schemas import Problem
 
 MEDIA_TYPE = "application/problem+json"
+URN = "urn:helix-locks:problem:"
 # Seconds a client should wait before trying again while the database is unreachable.
 UNAVAILABLE_RETRY_AFTER = 2
+# The headers a problem may carry, as the OpenAPI document describes them.
+HEADERS = {
+    "Retry-After": ("Whole seconds to wait before trying again.", "integer"),
+    "WWW-Authenticate": ("Bearer: send an API key.", "string"),
+}
+_SOON = {"Retry-After": "1"}
+_EXPIRES, _ENDED = (
+    datetime(2026, 11, 30, 2, 44, 52, 375915, UTC),
+    datetime(2026, 11, 30, 2, 45, 3, 512204, UTC),
+)
+
+
+class ProblemResponse(JSONResponse):
+    """A problem+json answer, which records its kind in the request's outcome as it is sent."""
+
+    media_type = MEDIA_TYPE
+
+    def __init__(self, kind: str, body: dict[str, Any], headers: Mapping[str, str]) -> None:
+        super().__init__(body, status_code=body["status"], headers=dict(headers))
+        self.kind = kind
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        answered = outcome(scope)
+        if answered is not None:
+            answered.problem = self.kind
+        await super().__call__(scope, receive, send)
 
 
 def problem(
-    status: int,
-    kind: str,
-    title: str,
-    detail: str,
-    *,
-    headers: Mapping[str, str] | None = None,
-    **fields: Any,
-) -> JSONResponse:
-    """A problem+json response; `kind` names the problem type (urn:helix-locks:problem:KIND),
-    which the request's log line and metrics carry."""
-    logs.bind(problem=kind)
-    body = {"type": f"urn:helix-locks:problem:{kind}", "title": title, "status": status, "detail": detail}
+    status: int, kind: str, title: str, detail: str, headers: Mapping[str, str] | None = None, **fields: Any
+) -> ProblemResponse:
+    """A problem answer; `kind` names its type (urn:helix-locks:problem:KIND). Only for the HTTP
+    errors of the framework (http-<status>): every other kind is declared in KINDS."""
+    body = {"type": f"{URN}{kind}", "title": title, "status": status, "detail": detail}
     body.update({name: _json(value) for name, value in fields.items()})
-    return JSONResponse(body, status_code=status, headers=dict(headers or {}), media_type=MEDIA_TYPE)
+    return ProblemResponse(kind, body, headers or {})
 
 
 def rfc3339(value: datetime) -> str:
@@ -59,126 +90,234 @@ def _json(value: Any) -> Any:
     return rfc3339(value) if isinstance(value, datetime) else value
 
 
-def _held(exc: LockHeld) -> JSONResponse:
-    return problem(
-        409,
-        "lock-held",
-        "Lock held",
-        "A live lock holds this organization and job type.",
-        headers={"Retry-After": str(exc.retry_after_seconds)},
-        lock_id=exc.lock_id,
-        holder=exc.holder,
-        expires_at=exc.expires_at,
-    )
+@dataclass(frozen=True)
+class Kind:
+    """One problem type: its answer to an error, and its entry in the OpenAPI document."""
+
+    status: int
+    name: str  # urn:helix-locks:problem:NAME
+    title: str
+    when: str  # when it is answered, for the OpenAPI document
+    example: LockError  # answered as the document's example
+    detail: str | Callable[[Any], str]
+    # Constant headers, or a function of the error when their values vary.
+    headers: Mapping[str, str] | Callable[[Any], Mapping[str, str]] = field(default_factory=dict)
+    fields: Callable[[Any], Mapping[str, Any]] = lambda exc: {}
+
+    def answer(self, exc: LockError) -> ProblemResponse:
+        detail = self.detail(exc) if callable(self.detail) else self.detail
+        headers = self.headers(exc) if callable(self.headers) else self.headers
+        return problem(self.status, self.name, self.title, detail, headers, **self.fields(exc))
 
 
-def _ended(exc: LockEnded) -> JSONResponse:
+def _ended(exc: LockEnded) -> str:
     how = {
         "released": "was released",
         "reclaimed": "expired and was reclaimed by another worker",
         "forced": "was broken by an administrator",
     }.get(exc.release_reason, "ended")
-    return problem(
+    return f"The lock {how}; its holder no longer owns it."
+
+
+KINDS: Mapping[type[LockError], Kind] = {
+    InvalidRequest: Kind(
+        422,
+        "invalid-request",
+        "Invalid request",
+        "A parameter, header or body field is invalid, or the body is not JSON; errors names each.",
+        InvalidRequest([{"field": "ttl_seconds", "message": "Input should be less than or equal to 86400"}]),
+        lambda exc: f"Invalid: {', '.join(error['field'] for error in exc.errors)}.",
+        fields=lambda exc: {"errors": exc.errors},
+    ),
+    Unauthenticated: Kind(
+        401,
+        "unauthenticated",
+        "Unauthenticated",
+        "The API key is missing, unknown or revoked.",
+        Unauthenticated("The API key is unknown or revoked."),
+        lambda exc: exc.reason,
+        headers={"WWW-Authenticate": "Bearer"},
+    ),
+    Forbidden: Kind(
+        403,
+        "forbidden",
+        "Forbidden",
+        "The API key may not do this: another organization, force or the metrics without an admin key;"
+        " or, with no API keys at all, a request a web page could have sent (a Host or Origin that is"
+        " not a loopback name).",
+        Forbidden("This API key acts only in organization acme."),
+        lambda exc: exc.reason,
+    ),
+    TokenMismatch: Kind(
+        403,
+        "token-mismatch",
+        "Token mismatch",
+        "The Lock-Token does not match this lock, whatever its state.",
+        TokenMismatch(),
+        "The Lock-Token does not match this lock.",
+    ),
+    LockNotFound: Kind(
+        404,
+        "lock-not-found",
+        "Lock not found",
+        "No such lock for this caller.",
+        LockNotFound(),
+        "No such lock.",
+    ),
+    LockHeld: Kind(
+        409,
+        "lock-held",
+        "Lock held",
+        "A live lock holds this organization and job type; Retry-After: whole seconds until it expires.",
+        LockHeld(1, "worker-7@host-3", _EXPIRES, 30),
+        "A live lock holds this organization and job type.",
+        headers=lambda exc: {"Retry-After": str(exc.retry_after_seconds)},
+        fields=lambda exc: {"lock_id": exc.lock_id, "holder": exc.holder, "expires_at": exc.expires_at},
+    ),
+    LockEnded: Kind(
         410,
         "lock-ended",
         "Lock ended",
-        f"The lock {how}; its holder no longer owns it.",
-        lock_id=exc.lock_id,
-        release_reason=exc.release_reason,
-        released_at=exc.released_at,
-        forced_by=exc.forced_by,
-    )
-
-
-def _invalid(exc: InvalidArgument) -> JSONResponse:
-    return invalid([{"field": exc.field, "message": exc.message}])
-
-
-def invalid(errors: list[dict[str, str]]) -> JSONResponse:
-    names = ", ".join(error["field"] for error in errors)
-    return problem(422, "invalid-request", "Invalid request", f"Invalid: {names}.", errors=errors)
-
-
-def _unavailable(exc: DatabaseUnavailable) -> JSONResponse:
-    return problem(
-        503,
-        "database-unavailable",
-        "Database unavailable",
-        "The lock database cannot be reached right now; try again.",
-        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)},
-    )
-
-
-def internal() -> JSONResponse:
-    return problem(500, "internal-error", "Internal error", "The service failed; the error is logged.")
-
-
-PROBLEMS: Mapping[type[LockError], Callable[[Any], JSONResponse]] = {
-    LockHeld: _held,
-    LockNotFound: lambda exc: problem(404, "lock-not-found", "Lock not found", "No such lock."),
-    TokenMismatch: lambda exc: problem(
-        403, "token-mismatch", "Token mismatch", "The Lock-Token does not match this lock."
+        "The lock had already ended (released, reclaimed or forced): its holder no longer owns it.",
+        LockEnded(1, "reclaimed", _ENDED),
+        _ended,
+        fields=lambda exc: {
+            "lock_id": exc.lock_id,
+            "release_reason": exc.release_reason,
+            "released_at": exc.released_at,
+            "forced_by": exc.forced_by,
+        },
     ),
-    LockEnded: _ended,
-    InvalidArgument: _invalid,
-    DatabaseUnavailable: _unavailable,
-    Unauthenticated: lambda exc: problem(
-        401, "unauthenticated", "Unauthenticated", exc.reason, headers={"WWW-Authenticate": "Bearer"}
+    BodyTooLarge: Kind(
+        413,
+        "body-too-large",
+        "Request body too large",
+        "The request body is over 64 KiB.",
+        BodyTooLarge(65536),
+        lambda exc: f"A request body may be at most {exc.max_bytes} bytes.",
     ),
-    Forbidden: lambda exc: problem(403, "forbidden", "Forbidden", exc.reason),
-    UnsupportedMediaType: lambda exc: problem(
+    UnsupportedMediaType: Kind(
         415,
         "unsupported-media-type",
         "Unsupported media type",
+        "The body is not declared as JSON: send Content-Type: application/json.",
+        UnsupportedMediaType(),
         "Send the body as JSON with Content-Type: application/json.",
     ),
-    TooManyWaiters: lambda exc: problem(
-        503,
-        "too-many-waiters",
-        "Too many waiters",
-        f"This service process already has {exc.limit} acquires waiting; try again.",
-        headers={"Retry-After": "1"},
-    ),
-    OrganizationWaitersFull: lambda exc: problem(
+    OrganizationWaitersFull: Kind(
         429,
         "too-many-waiters-in-organization",
         "Too many waiters in this organization",
-        f"This organization already has {exc.limit} acquires waiting in this service process; try again.",
-        headers={"Retry-After": "1"},
+        "wait_seconds: this organization already has as many acquires waiting in this service process as"
+        " one may have (HELIX_LOCKS_MAX_WAITERS_PER_ORGANIZATION); try again after Retry-After.",
+        OrganizationWaitersFull(1000),
+        lambda exc: (
+            f"This organization already has {exc.limit} acquires waiting in this service process; try again."
+        ),
+        headers=_SOON,
     ),
-    QuotaExceeded: lambda exc: problem(
+    QuotaExceeded: Kind(
         429,
         "quota-exceeded",
         "Live-lock quota exceeded",
-        f"This organization already has about {exc.limit} live locks, as many as one may have: release"
-        " some, or let them expire and be reclaimed.",
-        headers={"Retry-After": "1"},
+        "This organization already has as many live locks (held, or lapsed and not yet reclaimed) as"
+        " one may have (HELIX_LOCKS_MAX_LIVE_LOCKS_PER_ORGANIZATION); an acquire of a key that has a live"
+        " lock still goes on.",
+        QuotaExceeded(10_000),
+        lambda exc: (
+            f"This organization already has about {exc.limit} live locks, as many as one may have:"
+            " release some, or let them expire and be reclaimed."
+        ),
+        headers=_SOON,
     ),
-    WaitInterrupted: lambda exc: problem(
+    InternalError: Kind(
+        500,
+        "internal-error",
+        "Internal error",
+        "Any other error, such as a failure of the service.",
+        InternalError(),
+        "The service failed; the error is logged.",
+    ),
+    DatabaseUnavailable: Kind(
+        503,
+        "database-unavailable",
+        "Database unavailable",
+        "The database cannot be reached; try again after Retry-After.",
+        DatabaseUnavailable("connection refused"),
+        "The lock database cannot be reached right now; try again.",
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)},
+    ),
+    TooManyWaiters: Kind(
+        503,
+        "too-many-waiters",
+        "Too many waiters",
+        "wait_seconds: this service process already has as many acquires waiting as it allows"
+        " (HELIX_LOCKS_MAX_WAITERS); try again after Retry-After.",
+        TooManyWaiters(10_000),
+        lambda exc: f"This service process already has {exc.limit} acquires waiting; try again.",
+        headers=_SOON,
+    ),
+    WaitInterrupted: Kind(
         503,
         "wait-interrupted",
         "Wait interrupted",
-        f"The wait ended early: {exc.reason}.",
-        headers={"Retry-After": "1"},
+        "wait_seconds: the wait ended without a grant because the service is stopping.",
+        WaitInterrupted("the service is stopping"),
+        lambda exc: f"The wait ended early: {exc.reason}.",
+        headers=_SOON,
     ),
-    SchemaNotReady: lambda exc: problem(
+    SchemaNotReady: Kind(
         503,
         "not-migrated",
         "Not ready",
-        f"The database schema is not ready: {exc.reason}.",
+        "The database schema lacks this build's migrations.",
+        SchemaNotReady("migrations not applied: 0004_api_keys"),
+        lambda exc: f"The database schema is not ready: {exc.reason}.",
         headers={"Retry-After": "5"},
     ),
-    ShuttingDown: lambda exc: problem(
+    ShuttingDown: Kind(
         503,
         "service-stopping",
         "Service stopping",
+        "The service was told to stop, and this request did not finish within the grace time.",
+        ShuttingDown(),
         "The service stopped before this request finished, so its outcome is unknown: try again "
         "(an acquire with the same Idempotency-Key).",
-        headers={"Retry-After": "1"},
+        headers=_SOON,
     ),
-    EmptyResult: lambda exc: internal(),
 }
 
 
-def from_error(exc: LockError) -> JSONResponse:
-    return PROBLEMS[type(exc)](exc)
+def kind_of(error: type[LockError]) -> Kind:
+    """The kind an error answers as: its own class's, or the nearest ancestor's."""
+    for cls in error.__mro__:
+        if cls in KINDS:
+            return KINDS[cls]
+    raise LookupError(f"no problem kind for {error.__name__}")
+
+
+def from_error(exc: LockError) -> ProblemResponse:
+    return kind_of(type(exc)).answer(exc)
+
+
+def internal() -> ProblemResponse:
+    return from_error(InternalError())
+
+
+def responses(*errors: type[LockError]) -> dict[int | str, dict[str, Any]]:
+    """A route's problem responses for the OpenAPI document, with an example of each kind; any
+    route may also answer service-stopping, and `default` stands for internal-error."""
+    found: dict[int | str, dict[str, Any]] = {}
+    for error in (*errors, ShuttingDown, InternalError):
+        kind = kind_of(error)
+        key = "default" if error is InternalError else kind.status
+        content = {"schema": {"$ref": "#/components/schemas/Problem"}, "examples": {}}
+        response = found.setdefault(key, {"model": Problem, "content": {MEDIA_TYPE: content}})
+        response["description"] = f"{response.get('description', '')} {kind.when}".strip()
+        example = kind.answer(kind.example)
+        body = json.loads(bytes(example.body))
+        response["content"][MEDIA_TYPE]["examples"][kind.name] = {"summary": kind.title, "value": body}
+        for name, (about, type_) in HEADERS.items():
+            if name.lower() in example.headers:
+                response.setdefault("headers", {})[name] = {"description": about, "schema": {"type": type_}}
+    return found

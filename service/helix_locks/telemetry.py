@@ -14,7 +14,6 @@ import re
 import secrets
 import time
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -30,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from helix_locks import logs, problems, queries
 from helix_locks.db import Database, Pool
 from helix_locks.errors import LockError, ShuttingDown
+from helix_locks.outcome import Outcome, outcome
 
 logger = logging.getLogger("helix_locks.requests")
 
@@ -42,8 +42,12 @@ REQUEST_ID_HEADER = "X-Request-Id"
 _GOOD_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Problems that are results of their own in the operation counters.
 _RESULTS = {"lock-held": "conflict", "lock-ended": "gone"}
-# Which route (by its function's name) counts in which counter.
-_OPERATIONS = {"acquire": "acquisitions", "release": "releases", "renew": "renewals"}
+# Which route (by its method and path) counts in which counter.
+OPERATIONS = {
+    ("POST", "/v1/locks"): "acquisitions",
+    ("DELETE", "/v1/locks/{lock_id}"): "releases",
+    ("POST", "/v1/locks/{lock_id}/renew"): "renewals",
+}
 # Methods with a series of their own; any other is counted as "other", so that made-up methods
 # cannot add series without end.
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
@@ -126,25 +130,23 @@ class Metrics:
         )
         self._locks_read = 0.0
 
-    def organization(self, fields: dict[str, Any]) -> str:
+    def organization(self, outcome: Outcome) -> str:
         """The organization label: empty (no label, to Prometheus) unless enabled by setting, and
         for a request refused for its organization (403), which names whatever it likes."""
-        if not self.label_organizations or fields.get("problem") == "forbidden":
+        if not self.label_organizations or outcome.problem == "forbidden":
             return ""
-        return str(fields.get("organization_id", ""))
+        return outcome.organization_id or ""
 
-    def answered(self, name: str | None, path: str | None, method: str, status: int, seconds: float) -> None:
-        """Count one finished request, from the fields the route and the error handlers bound."""
-        fields = logs.request_fields()
+    def answered(self, path: str | None, method: str, status: int, seconds: float, outcome: Outcome) -> None:
+        """Count one finished request: its route's path, and what its route and answer recorded."""
         method = method if method in _METHODS else "other"
         self.requests.labels(method, path or "unmatched", str(status)).observe(seconds)
-        problem = fields.get("problem")
-        organization = self.organization(fields)
-        if problem == "lock-ended":
+        organization = self.organization(outcome)
+        if outcome.problem == "lock-ended":
             self.lost.labels(organization).inc()
-        counter = _OPERATIONS.get(name or "")
+        counter = OPERATIONS.get((method, path or ""))
         if counter is not None:
-            result = fields.get("outcome") or _RESULTS.get(str(problem), str(problem or "error"))
+            result = outcome.result or _RESULTS.get(str(outcome.problem), str(outcome.problem or "error"))
             getattr(self, counter).labels(organization, result).inc()
 
     def sample_pool(self, pool: Pool) -> None:
@@ -238,6 +240,7 @@ class Observe:
         started = time.perf_counter()
         status = 500  # unless a response starts
         responded = False
+        answered = outcome(scope)
         with logs.request(request_id=request_id(scope)) as fields:
             rid = fields["request_id"].encode()
 
@@ -265,9 +268,8 @@ class Observe:
                 await problems.internal()(scope, receive, send_with_id)
             finally:
                 seconds = time.perf_counter() - started
-                route = scope.get("route")
-                path = getattr(route, "path", None)
-                self.metrics.answered(getattr(route, "name", None), path, scope["method"], status, seconds)
+                path = getattr(scope.get("route"), "path", None)
+                self.metrics.answered(path, scope["method"], status, seconds, answered)
                 if path != "/metrics" and not (path in ("/healthz", "/readyz") and status == 200):
                     logger.log(
                         logging.INFO if status < 500 else logging.WARNING if status != 500 else logging.ERROR,
@@ -277,5 +279,6 @@ class Observe:
                             "path": _logged(scope["path"]),
                             "status": status,
                             "duration_ms": round(seconds * 1000, 2),
+                            **answered.fields(),
                         },
                     )
