@@ -6,12 +6,18 @@ registers the key in the database (migration 0008) before it waits.
 Nothing polls the database while waiting. Within one process the waiters of a key queue in
 arrival order: only the first of them waits for the lock; the others wait for it (an asyncio
 lock, which is fair). Across replicas the order is best effort: whoever retries first wins.
+
+Releases announced while the listener was disconnected are lost. After it reconnects, one
+statement on its connection finds the keys whose lock is no longer the one their first waiter
+sleeps on, and only those wake: the others sleep on until their holder's release is announced or
+its lease runs out, as before the disconnect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -19,6 +25,7 @@ from typing import Any
 
 import psycopg
 
+from helix_locks import queries
 from helix_locks.errors import (
     DatabaseUnavailable,
     LockHeld,
@@ -28,6 +35,7 @@ from helix_locks.errors import (
 )
 from helix_locks.locks import Grant
 
+logger = logging.getLogger("helix_locks")
 Key = tuple[str, str]
 # A timer at the holder's expiry fires this much later, so that the lease has surely run out.
 EXPIRY_SLACK_SECONDS = 0.002
@@ -40,6 +48,8 @@ class _Queue:
         self.turn = asyncio.Lock()  # FIFO: the head of the queue holds it
         self.wake = asyncio.Event()
         self.waiters = 0
+        # The lock whose end the head sleeps until; None while it is not asleep on one.
+        self.sleeping_on: int | None = None
 
 
 class Waiters:
@@ -54,14 +64,43 @@ class Waiters:
         self._by_organization: Counter[str] = Counter()  # waiting acquires, organizations with any
 
     async def released(self, conn: psycopg.AsyncConnection[Any], payloads: list[str]) -> None:
-        """Listener callback: wake the waiters of each key that ended (every key after a reconnect)."""
+        """Listener callback: wake the waiters of each key that ended (after a reconnect, of each
+        key whose end may have been missed)."""
         if not payloads:
-            for every in self._queues.values():
-                every.wake.set()
+            await self._reconnected(conn)
         for payload in payloads:
             organization_id, _, job_type = payload.partition("/")
             queue = self._queues.get((organization_id, job_type))
             if queue is not None:
+                queue.wake.set()
+
+    async def _reconnected(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """Wake the head of each key whose lock is not the one it sleeps on (that lock ended
+        while nobody listened), or that is not asleep on one; not every head at once.
+
+        The listener runs this after LISTEN: a release committed before the statement's snapshot
+        is seen by it, any later one is announced. A head left asleep still wakes at its timer,
+        the holder's expiry, and a head woken needlessly only tries once more. Should the
+        statement fail, every head wakes, as a missed release must not wait for a timer.
+        """
+        queues = list(self._queues.items())
+        if not queues:
+            return
+        params = {
+            "organization_ids": [key[0] for key, _ in queues],
+            "job_types": [key[1] for key, _ in queues],
+            "lock_ids": [queue.sleeping_on for _, queue in queues],
+        }
+        try:
+            cursor = await conn.execute(queries.MISSED_RELEASES, params)
+            missed = {(organization_id, job_type) for organization_id, job_type in await cursor.fetchall()}
+        except psycopg.Error as exc:
+            logger.warning(
+                "could not tell which waited keys ended, waking every waiter: %s", type(exc).__name__
+            )
+            missed = {key for key, _ in queues}
+        for key, queue in queues:
+            if key in missed:
                 queue.wake.set()
 
     def close(self) -> None:
@@ -154,11 +193,14 @@ class Waiters:
                 # Until the holder's lease runs out; None: it just ended, so try again now.
                 expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
                 timer = 0.0 if expiry is None else min(left, expiry / 1000 + EXPIRY_SLACK_SECONDS)
+                queue.sleeping_on = held.lock_id
                 try:
                     await self._until(queue.wake.wait(), loop.time() + timer, gone)
                 except TimeoutError:
                     if loop.time() >= deadline:
                         raise held from None  # the wait ran out: 409 with the latest holder
+                finally:
+                    queue.sleeping_on = None
 
     async def _last_try(
         self,
