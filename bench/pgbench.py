@@ -24,7 +24,8 @@ def pgbench_path() -> Path:
 
 
 PGBENCH_SCRIPT = """\
-SELECT id, token FROM helix_acquire_job_lock('bench', 'pg-' || :client_id, 'pgbench', 30000, NULL) \\gset
+SELECT id, token
+  FROM helix_acquire_job_lock('bench', 'pg-' || :client_id, 'pgbench', 30000, NULL, NULL) \\gset
 SELECT 1 FROM helix_release_job_lock(:id, :token, NULL);
 """
 

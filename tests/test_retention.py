@@ -38,7 +38,7 @@ def seed(conn: Conn) -> None:
         "INSERT INTO helix_lock_keys SELECT 'acme', 'job-' || n, 1000 FROM generate_series(0, 499) AS n"
     )
     for n in range(10):
-        conn.execute("SELECT helix_acquire_job_lock('acme', %s, 'live', 60000)", (f"job-{n}",))
+        conn.execute("SELECT helix_acquire_job_lock('acme', %s, 'live', 60000, NULL, NULL)", (f"job-{n}",))
 
 
 async def test_old_ended_locks_are_pruned_in_batches_and_nothing_else(db_url: str, conn: Conn) -> None:
@@ -129,5 +129,7 @@ async def test_locks_whose_lease_ended_before_the_window_are_pruned_and_their_co
         await pool.close()
     left = conn.execute("SELECT job_type FROM helix_job_locks ORDER BY job_type").fetchall()
     assert [job_type for (job_type,) in left] == sorted(f"lapsed-yesterday-{n}" for n in range(1, 11))
-    token = conn.execute("SELECT fencing_token FROM helix_acquire_job_lock('acme', 'gone-5', 'next', 60000)")
+    token = conn.execute(
+        "SELECT fencing_token FROM helix_acquire_job_lock('acme', 'gone-5', 'next', 60000, NULL, NULL)"
+    )
     assert token.fetchone() == (8,), "the key's fencing counter survived its lock"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -16,16 +17,55 @@ import pytest
 from psycopg import errors
 from psycopg.rows import dict_row
 
+from helix_locks import queries
+
 Conn = psycopg.Connection[Any]
 
-ACQUIRE = "SELECT * FROM helix_acquire_job_lock(%s, %s, %s, %s, %s)"
 
-
+# The statements the service sends, as an admin sends them (scope NULL: any organization's lock).
 def acquire(
-    conn: Conn, holder: str = "w1", ttl_ms: int = 30_000, key: tuple[str, str] = ("org", "job")
+    conn: Conn,
+    holder: str = "w1",
+    ttl_ms: int = 30_000,
+    key: tuple[str, str] = ("org", "job"),
+    idempotency_key: str | None = None,
 ) -> dict[str, Any]:
-    cur = conn.cursor(row_factory=dict_row)
-    rows = cur.execute(ACQUIRE, (*key, holder, ttl_ms, None)).fetchall()
+    organization_id, job_type = key
+    rows = (
+        conn.cursor(row_factory=dict_row)
+        .execute(
+            queries.ACQUIRE,
+            {
+                "organization_id": organization_id,
+                "job_type": job_type,
+                "holder": holder,
+                "ttl_ms": ttl_ms,
+                "metadata": None,
+                "idempotency_key": idempotency_key,
+            },
+        )
+        .fetchall()
+    )
+    assert len(rows) == 1
+    return rows[0]
+
+
+def release(conn: Conn, lock_id: int, token: str) -> dict[str, Any]:
+    rows = (
+        conn.cursor(row_factory=dict_row)
+        .execute(queries.RELEASE, {"lock_id": lock_id, "token": token, "scope": None})
+        .fetchall()
+    )
+    assert len(rows) == 1
+    return rows[0]
+
+
+def renew(conn: Conn, lock_id: int, token: str, ttl_ms: int) -> dict[str, Any]:
+    rows = (
+        conn.cursor(row_factory=dict_row)
+        .execute(queries.RENEW, {"lock_id": lock_id, "token": token, "ttl_ms": ttl_ms, "scope": None})
+        .fetchall()
+    )
     assert len(rows) == 1
     return rows[0]
 
@@ -164,7 +204,7 @@ def test_grant_after_a_waited_release_starts_after_it(db_url: str, conn: Conn) -
     """A grant that waited on a release in flight is stamped after the release's end."""
     held = acquire(conn, holder="holder")
     with psycopg.connect(db_url) as releaser, psycopg.connect(db_url, autocommit=True) as acquirer:
-        releaser.execute("SELECT * FROM helix_release_job_lock(%s, %s)", (held["id"], held["token"]))
+        release(releaser, held["id"], held["token"])
         with waiting(conn, acquirer, lambda: acquire(acquirer, holder="next")) as outcome:
             releaser.commit()
     released = row(conn, held["id"])
@@ -177,7 +217,7 @@ def test_fencing_tokens_increase_and_survive_pruned_history(conn: Conn) -> None:
     for _ in range(3):
         lock = acquire(conn)
         tokens.append(lock["fencing_token"])
-        conn.execute("SELECT helix_release_job_lock(%s, %s)", (lock["id"], lock["token"]))
+        release(conn, lock["id"], lock["token"])
     stale = acquire(conn)
     tokens.append(stale["fencing_token"])
     expire(conn, stale["id"])
@@ -203,41 +243,33 @@ def test_release_and_renew_report_their_failures_as_sqlstates(conn: Conn) -> Non
         ((lock["id"], "not-the-token"), "HL002"),
     ]
     for (lock_id, token), code in cases:
-        for call in (
-            "SELECT * FROM helix_release_job_lock(%s, %s)",
-            "SELECT * FROM helix_renew_job_lock(%s, %s, 1000)",
-        ):
+        for call in (release, functools.partial(renew, ttl_ms=1000)):
             with pytest.raises(psycopg.Error) as raised:
-                conn.execute(call, (lock_id, token))
+                call(conn, lock_id, token)
             assert raised.value.sqlstate == code
-    conn.execute("SELECT helix_release_job_lock(%s, %s)", (lock["id"], lock["token"]))
+    release(conn, lock["id"], lock["token"])
     with pytest.raises(psycopg.Error) as ended:
-        conn.execute("SELECT * FROM helix_release_job_lock(%s, %s)", (lock["id"], lock["token"]))
+        release(conn, lock["id"], lock["token"])
     assert ended.value.sqlstate == "HL003"
     assert json.loads(ended.value.diag.message_detail or "")["release_reason"] == "released"
     # A wrong token is 403 material whatever the state: it is checked before the state.
     with pytest.raises(psycopg.Error) as wrong:
-        conn.execute("SELECT * FROM helix_release_job_lock(%s, %s)", (lock["id"], "nope"))
+        release(conn, lock["id"], "nope")
     assert wrong.value.sqlstate == "HL002"
 
 
 def test_renew_extends_from_database_now_and_reports_a_lapse(conn: Conn) -> None:
     lock = acquire(conn, ttl_ms=1000)
-    cur = conn.cursor(row_factory=dict_row)
-    renewed = cur.execute(
-        "SELECT * FROM helix_renew_job_lock(%s, %s, 60000)", (lock["id"], lock["token"])
-    ).fetchone()
-    assert renewed is not None and renewed["lapsed"] is False
+    renewed = renew(conn, lock["id"], lock["token"], 60000)
+    assert renewed["lapsed"] is False
     assert 59_000 < renewed["ttl_remaining_ms"] <= 60_000
     expire(conn, lock["id"])
-    lapsed = cur.execute(
-        "SELECT * FROM helix_renew_job_lock(%s, %s, 60000)", (lock["id"], lock["token"])
-    ).fetchone()
-    assert lapsed is not None and lapsed["lapsed"] is True and lapsed["state"] == "held"
+    lapsed = renew(conn, lock["id"], lock["token"], 60000)
+    assert lapsed["lapsed"] is True and lapsed["state"] == "held"
     expire(conn, lock["id"])
     acquire(conn, holder="next")  # reclaims it
     with pytest.raises(psycopg.Error) as gone:
-        conn.execute("SELECT * FROM helix_renew_job_lock(%s, %s, 60000)", (lock["id"], lock["token"]))
+        renew(conn, lock["id"], lock["token"], 60000)
     assert gone.value.sqlstate == "HL003"
     assert json.loads(gone.value.diag.message_detail or "")["release_reason"] == "reclaimed"
 
@@ -260,7 +292,7 @@ def test_fencing_token_is_current_only_while_held(conn: Conn) -> None:
     assert not current(1), "a lapsed lease is not current"
     successor = acquire(conn)
     assert current(2) and not current(1)
-    conn.execute("SELECT helix_release_job_lock(%s, %s)", (successor["id"], successor["token"]))
+    release(conn, successor["id"], successor["token"])
     assert not current(2)
 
 
@@ -268,7 +300,7 @@ def test_acquire_waits_out_a_renewal_of_a_lapsed_lease_and_then_conflicts(db_url
     lapsed = acquire(conn, holder="slow-heartbeat")
     expire(conn, lapsed["id"])
     with psycopg.connect(db_url) as renewer, psycopg.connect(db_url, autocommit=True) as acquirer:
-        renewer.execute("SELECT * FROM helix_renew_job_lock(%s, %s, 30000)", (lapsed["id"], lapsed["token"]))
+        renew(renewer, lapsed["id"], lapsed["token"], 30000)
         with waiting(conn, acquirer, lambda: acquire(acquirer, holder="reclaimer")) as outcome:
             renewer.commit()
     assert isinstance(outcome.get("error"), errors.UniqueViolation), "the renewed lease must not be reclaimed"
@@ -277,10 +309,7 @@ def test_acquire_waits_out_a_renewal_of_a_lapsed_lease_and_then_conflicts(db_url
     assert datetime.fromisoformat(detail["expires_at"]) == row(conn, lapsed["id"])["expires_at"]
 
 
-@pytest.mark.parametrize(
-    "holder_call",
-    ["SELECT * FROM helix_renew_job_lock(%s, %s, 30000)", "SELECT * FROM helix_release_job_lock(%s, %s)"],
-)
+@pytest.mark.parametrize("holder_call", ["renew", "release"])
 def test_holder_waiting_behind_a_reclaim_learns_it_lost_the_lock(
     db_url: str, conn: Conn, holder_call: str
 ) -> None:
@@ -288,21 +317,20 @@ def test_holder_waiting_behind_a_reclaim_learns_it_lost_the_lock(
     expire(conn, lapsed["id"])
     with psycopg.connect(db_url) as reclaimer, psycopg.connect(db_url, autocommit=True) as holder:
         acquire(reclaimer, holder="reclaimer")  # transaction left open
-        renew_or_release = lambda: holder.execute(holder_call, (lapsed["id"], lapsed["token"])).fetchall()  # noqa: E731
+
+        def renew_or_release() -> dict[str, Any]:
+            if holder_call == "renew":
+                return renew(holder, lapsed["id"], lapsed["token"], 30000)
+            return release(holder, lapsed["id"], lapsed["token"])
+
         with waiting(conn, holder, renew_or_release) as outcome:
             reclaimer.commit()
     assert outcome["error"].sqlstate == "HL003"
     assert json.loads(outcome["error"].diag.message_detail)["release_reason"] == "reclaimed"
 
 
-ACQUIRE_KEYED = "SELECT * FROM helix_acquire_job_lock(%s, %s, %s, %s, %s, %s)"
-
-
 def acquire_keyed(conn: Conn, holder: str, key: str, ttl_ms: int = 30_000) -> dict[str, Any]:
-    rows = conn.cursor(row_factory=dict_row).execute(ACQUIRE_KEYED, ("org", "job", holder, ttl_ms, None, key))
-    found = rows.fetchall()
-    assert len(found) == 1
-    return found[0]
+    return acquire(conn, holder, ttl_ms, idempotency_key=key)
 
 
 def counter(conn: Conn) -> int:
@@ -326,7 +354,7 @@ def test_a_replay_that_waited_for_its_uncommitted_original_gets_the_original_gra
     again = outcome["result"]
     assert (again["id"], again["token"], again["fencing_token"]) == (first["id"], first["token"], 1)
     assert counter(conn) == 1, "the replay gave its fencing increment back"
-    conn.execute("SELECT helix_release_job_lock(%s, %s, NULL)", (first["id"], first["token"]))
+    release(conn, first["id"], first["token"])
     assert acquire_keyed(conn, "w2", "anon/k2")["fencing_token"] == 2
 
 
@@ -342,7 +370,9 @@ def test_a_claimed_grant_is_never_released_by_the_clean_up_of_a_client_that_left
         return acquire_keyed(c, "w1", "anon/k1")
 
     def cleanup(c: Conn) -> bool:
-        released = c.execute("SELECT helix_release_unclaimed(%s, %s, NULL)", (grant["id"], grant["token"]))
+        released = c.execute(
+            queries.RELEASE_UNCLAIMED, {"lock_id": grant["id"], "token": grant["token"], "scope": None}
+        )
         return bool(released.fetchone()[0])  # type: ignore[index]
 
     with psycopg.connect(db_url) as leader, psycopg.connect(db_url, autocommit=True) as follower:
@@ -393,20 +423,18 @@ def test_a_replay_names_what_it_reclaimed_after_retention_deleted_it(conn: Conn)
 def test_releasing_an_ended_lock_that_retention_is_deleting_is_410_not_404(db_url: str, conn: Conn) -> None:
     """Issue 15, finding 5: retention holds the ended row; a release of it must learn it ended."""
     lock = acquire(conn)
-    conn.execute("SELECT helix_release_job_lock(%s, %s, NULL)", (lock["id"], lock["token"]))
+    release(conn, lock["id"], lock["token"])
     outcome: dict[str, Any] = {}
     with psycopg.connect(db_url) as pruner, psycopg.connect(db_url, autocommit=True) as holder:
         pruner.execute("SELECT id FROM helix_job_locks WHERE id = %s FOR UPDATE", (lock["id"],))
 
-        def release() -> None:
+        def release_ended() -> None:
             try:
-                holder.execute(
-                    "SELECT * FROM helix_release_job_lock(%s, %s, NULL)", (lock["id"], lock["token"])
-                )
+                release(holder, lock["id"], lock["token"])
             except psycopg.Error as exc:
                 outcome["error"] = exc
 
-        thread = threading.Thread(target=release)
+        thread = threading.Thread(target=release_ended)
         thread.start()
         time.sleep(0.3)  # the release runs into the row retention holds, or has its answer already
         pruner.execute("DELETE FROM helix_job_locks WHERE id = %s", (lock["id"],))
@@ -424,17 +452,9 @@ def test_a_writing_transaction_holds_off_the_holders_release_but_not_its_renewal
     with psycopg.connect(db_url) as storage, psycopg.connect(db_url, autocommit=True) as holder:
         assert storage.execute("SELECT helix_fencing_token_is_current('org', 'job', 1)").fetchone() == (True,)
         holder.execute("SET statement_timeout = '3s'")
-        renewed = holder.execute(
-            "SELECT lapsed FROM helix_renew_job_lock(%s, %s, 30000, NULL)", (h1["id"], h1["token"])
-        ).fetchone()
-        assert renewed == (False,), "renewed while the writing transaction is open"
-        with waiting(
-            conn,
-            holder,
-            lambda: holder.execute(
-                "SELECT * FROM helix_release_job_lock(%s, %s, NULL)", (h1["id"], h1["token"])
-            ).fetchall(),
-        ) as outcome:
+        renewed = renew(holder, h1["id"], h1["token"], 30000)
+        assert renewed["lapsed"] is False, "renewed while the writing transaction is open"
+        with waiting(conn, holder, lambda: release(holder, h1["id"], h1["token"])) as outcome:
             storage.commit()
     assert "error" not in outcome
     assert row(conn, h1["id"])["release_reason"] == "released"
