@@ -262,3 +262,30 @@ async def test_a_key_revoked_while_its_acquire_waits_gets_no_grant(
     assert answer.status_code == 401, answer.text
     free = await app_client.post("/v1/locks", json=body, headers=bearer(api_keys.own))
     assert free.status_code == 201, "nobody holds the lock for the revoked key"
+
+
+async def test_a_key_cannot_queue_in_another_organizations_wait(db_url: str, api_keys: Keys) -> None:
+    """Refused before it waits: not in line behind the other organization's waiter, and in none
+    of that organization's waiting slots (two here)."""
+    app = create_app(Settings(database_url=db_url, max_waiters_per_organization=2))
+    async with in_process(app, timeout=60) as client:
+
+        async def acquire(key: str, job_type: str, wait: float = 0) -> httpx.Response:
+            body = {"organization_id": "globex", "job_type": job_type, "holder": "w", "ttl_seconds": 60}
+            return await client.post("/v1/locks", json={**body, "wait_seconds": wait}, headers=bearer(key))
+
+        for job_type in ("busy", "also-busy"):
+            assert (await acquire(api_keys.other, job_type)).status_code == 201
+        waiters = [asyncio.create_task(acquire(api_keys.other, "busy", wait=30))]
+        await anyio.sleep(0.3)
+        started = time.monotonic()
+        refused = await acquire(api_keys.own, "busy", wait=20)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["type"].endswith(":forbidden")
+        assert time.monotonic() - started < 10, "it waited in line before it was refused"
+        # globex's second waiting slot is still free for globex's own waiter.
+        waiters.append(asyncio.create_task(acquire(api_keys.other, "also-busy", wait=30)))
+        await anyio.sleep(0.5)
+        assert not any(waiter.done() for waiter in waiters), [w.result().text for w in waiters if w.done()]
+        for waiter in waiters:
+            waiter.cancel()

@@ -47,6 +47,7 @@ class Watch:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.attempts: Counter[Key] = Counter()
+        self.attempted_at: list[float] = []  # the event loop's time of each attempt
         self.sleeps = 0
         self.listeners: list[int] = []
         acquire, remaining_ms, released = Locks.acquire, Locks.remaining_ms, Waiters.released
@@ -55,6 +56,7 @@ class Watch:
             locks: Locks, caller: Caller, organization_id: str, job_type: str, *args: Any, **kwargs: Any
         ) -> Grant:
             self.attempts[(organization_id, job_type)] += 1
+            self.attempted_at.append(asyncio.get_running_loop().time())
             return await acquire(locks, caller, organization_id, job_type, *args, **kwargs)
 
         async def counted_remaining_ms(locks: Locks, lock_id: int) -> int | None:
@@ -175,12 +177,16 @@ async def test_a_reconnect_wakes_only_the_waiters_of_keys_released_meanwhile(
         )
         assert not any(task.done() for key, task in waiting.items() if key not in freed)
 
-        # All the others end during a second disconnect: 990 waiters wake at once, and every one
-        # is granted through the pool's 10 connections, none refused for want of one.
+        # All the others end during a second disconnect: 990 waiters wake, spread over about a
+        # second (RECONNECT_WAKES_PER_SECOND), not in one instant, and every one is granted.
         rest = [key for key in KEYS if key not in freed]
+        since = len(watch.attempted_at)
         await service.disconnected(release=rest)
         answers = await answered([waiting[key] for key in rest])
         assert Counter(answer.status_code for answer in answers) == {201: len(rest)}
+        woken = watch.attempted_at[since:]
+        assert len(woken) == len(rest)
+        assert max(woken) - min(woken) > 0.5, "the wake-ups came in one burst"
     live = conn.execute(
         "SELECT count(*) FROM helix_job_locks WHERE released_at IS NULL AND holder = 'waiter'"
     ).fetchone()

@@ -19,7 +19,6 @@ from pydantic import BaseModel
 from helix_locks import logs, migrate, problems
 from helix_locks.db import Database
 from helix_locks.errors import (
-    BodyTooLarge,
     DatabaseUnavailable,
     Forbidden,
     InvalidArgument,
@@ -203,7 +202,6 @@ router = APIRouter(prefix="/v1", tags=["locks"])
             Unauthenticated,
             Forbidden,
             LockHeld,
-            BodyTooLarge,
             UnsupportedMediaType,
             InvalidRequest,
             OrganizationWaitersFull,
@@ -249,6 +247,8 @@ async def acquire(
         )
 
     if body.wait_seconds > 0:
+        # Before queueing: another organization's waiting slots and line are not this key's to take.
+        caller.may_act_in(body.organization_id)
         grant = await _wait_for(request, body, attempt, locks, caller)
     else:
         grant = await attempt()
@@ -311,7 +311,7 @@ async def _wait_for(
     operation_id="listLocks",
     openapi_extra=BEARER_REQUIRED,
     response_description="One page of locks.",
-    responses=problems.responses(Unauthenticated, InvalidRequest, DatabaseUnavailable),
+    responses=problems.responses(Unauthenticated, Forbidden, InvalidRequest, DatabaseUnavailable),
 )
 async def list_locks(
     request: Request,
@@ -347,7 +347,9 @@ async def list_locks(
     operation_id="currentLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The held lock; check its fencing_token.",
-    responses=problems.responses(Unauthenticated, LockNotFound, InvalidRequest, DatabaseUnavailable),
+    responses=problems.responses(
+        Unauthenticated, Forbidden, LockNotFound, InvalidRequest, DatabaseUnavailable
+    ),
 )
 async def current(request: Request, organization_id: Identifier, job_type: Identifier) -> Response:
     """The lock held now for the key (404 when none is, a lapsed lease included)."""
@@ -362,7 +364,7 @@ async def current(request: Request, organization_id: Identifier, job_type: Ident
     operation_id="getLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The lock.",
-    responses=problems.responses(Unauthenticated, LockNotFound, DatabaseUnavailable),
+    responses=problems.responses(Unauthenticated, Forbidden, LockNotFound, DatabaseUnavailable),
 )
 async def get_lock(request: Request, lock_id: LockIdPath) -> Response:
     """One lock, in any state."""
@@ -420,6 +422,7 @@ async def release(
     response_description="The lock with its new expires_at; lapsed says whether the lease had run out.",
     responses=problems.responses(
         Unauthenticated,
+        Forbidden,
         TokenMismatch,
         LockNotFound,
         LockEnded,
@@ -482,7 +485,7 @@ async def readyz(request: Request) -> dict[str, Literal["ready"]]:
     openapi_extra=BEARER_REQUIRED,
     responses={
         200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-        **problems.responses(Unauthenticated, Forbidden),
+        **problems.responses(Unauthenticated, Forbidden, DatabaseUnavailable),
     },
 )
 async def metrics(request: Request) -> PlainTextResponse:

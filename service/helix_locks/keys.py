@@ -21,7 +21,7 @@ import psycopg
 
 from helix_locks import queries
 from helix_locks.db import Database
-from helix_locks.errors import Unauthenticated
+from helix_locks.errors import Forbidden, Unauthenticated
 from helix_locks.listener import Listener
 
 PREFIX = "hlk_"
@@ -45,6 +45,11 @@ class Caller:
     def scope(self) -> str | None:
         """The one organization this caller may act in; None for every organization."""
         return self.organization_id
+
+    def may_act_in(self, organization_id: str) -> None:
+        """Forbidden unless this caller may take locks in the organization."""
+        if self.scope not in (None, organization_id):
+            raise Forbidden(f"This API key acts only in organization {self.scope}.")
 
 
 ANONYMOUS = Caller(None, None)

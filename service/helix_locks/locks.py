@@ -288,8 +288,7 @@ class Locks:
         """Grant the lock, or raise LockHeld. A repeat with the same idempotency key, while the
         lock it got is live, answers that same grant. `waiting`: an attempt of a waiting acquire,
         woken by a release (no refusal for the quota on what was known before it)."""
-        if caller.scope not in (None, organization_id):
-            raise Forbidden(f"This API key acts only in organization {caller.scope}.")
+        caller.may_act_in(organization_id)
         reserved = await self.quota.admit(organization_id, job_type, waiting=waiting)
         params: dict[str, Any] = {
             "organization_id": organization_id,

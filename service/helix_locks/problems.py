@@ -306,9 +306,10 @@ def internal() -> ProblemResponse:
 
 def responses(*errors: type[LockError]) -> dict[int | str, dict[str, Any]]:
     """A route's problem responses for the OpenAPI document, with an example of each kind; any
-    route may also answer service-stopping, and `default` stands for internal-error."""
+    route may also answer body-too-large (before it is routed) and service-stopping, and
+    `default` stands for internal-error."""
     found: dict[int | str, dict[str, Any]] = {}
-    for error in (*errors, ShuttingDown, InternalError):
+    for error in (*errors, BodyTooLarge, ShuttingDown, InternalError):
         kind = kind_of(error)
         key = "default" if error is InternalError else kind.status
         content = {"schema": {"$ref": "#/components/schemas/Problem"}, "examples": {}}

@@ -9,8 +9,8 @@ lock, which is fair). Across replicas the order is best effort: whoever retries 
 
 Releases announced while the listener was disconnected are lost. After it reconnects, one
 statement on its connection finds the keys whose lock is no longer the one their first waiter
-sleeps on, and only those wake: the others sleep on until their holder's release is announced or
-its lease runs out, as before the disconnect.
+sleeps on, and only those wake, spread over a moment: the others sleep on until their holder's
+release is announced or its lease runs out, as before the disconnect.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -39,6 +40,8 @@ logger = logging.getLogger("helix_locks")
 Key = tuple[str, str]
 # A timer at the holder's expiry fires this much later, so that the lease has surely run out.
 EXPIRY_SLACK_SECONDS = 0.002
+# After a reconnect, the heads woken try again at about this rate (10 keys: within 10 ms).
+RECONNECT_WAKES_PER_SECOND = 1000.0
 
 
 class _Queue:
@@ -99,9 +102,13 @@ class Waiters:
                 "could not tell which waited keys ended, waking every waiter: %s", type(exc).__name__
             )
             missed = {key for key, _ in queues}
-        for key, queue in queues:
-            if key in missed:
-                queue.wake.set()
+        # Spread at random over len/RECONNECT_WAKES_PER_SECOND seconds: every one is worth trying,
+        # but not all in the same instant on the pool and the database.
+        woken = [queue for key, queue in queues if key in missed]
+        spread = len(woken) / RECONNECT_WAKES_PER_SECOND
+        loop = asyncio.get_running_loop()
+        for queue in woken:
+            loop.call_later(random.uniform(0, spread), queue.wake.set)
 
     def close(self) -> None:
         """Shutting down: every waiter answers now."""
