@@ -8,7 +8,7 @@ import argparse
 from bench.results import CPUS, Result, percentile
 from bench.wrk import WrkResult
 
-SIDES = ("helix", "etcd", "pgbench")
+SIDES = ("helix", "bare", "etcd", "pgbench")
 
 
 def median(results: list[Result]) -> Result:
@@ -16,36 +16,51 @@ def median(results: list[Result]) -> Result:
     return sorted(results, key=lambda result: result.cycles_per_second)[len(results) // 2]
 
 
-def table(levels: list[int], helix: list[Result], etcd: list[Result], pg: list[Result]) -> str:
+def table(levels: list[int], medians: dict[str, list[Result]]) -> str:
+    """Per level: helix's cycles/s and latencies, each other side's, and helix's ratio to each."""
+    others = SIDES[1:]
     header = (
-        f"{'clients':>7} | {'helix cycles/s':>14} {'p50 ms':>7} {'p99 ms':>7}"
-        f" {'acquire p50':>11} {'p99':>6} | {'etcd cycles/s':>13} {'p50 ms':>7} {'p99 ms':>7} | "
-        f"{'pgbench cycles/s':>16} {'p50 ms':>7} {'p99 ms':>7} | {'helix/etcd':>10} | {'helix/pgbench':>13}"
+        f"{'clients':>7} | {'helix cycles/s':>14} {'p50 ms':>7} {'p99 ms':>7} {'acquire p50':>11} {'p99':>6}"
+        + "".join(f" | {side + ' cycles/s':>16} {'p50 ms':>7} {'p99 ms':>7}" for side in others)
+        + "".join(f" | {'helix/' + side:>13}" for side in others)
     )
     lines = [header, "-" * len(header)]
-    for clients, h, e, p in zip(levels, helix, etcd, pg, strict=True):
-        lines.append(
+    for index, clients in enumerate(levels):
+        h = medians["helix"][index]
+        line = (
             f"{clients:>7} | {h.cycles_per_second:>14,.0f} {h.p50_ms:>7.2f} {h.p99_ms:>7.2f}"
-            f" {h.acquire_p50_ms:>11.2f} {h.acquire_p99_ms:>6.2f} | "
-            f"{e.cycles_per_second:>13,.0f} {e.p50_ms:>7.2f} {e.p99_ms:>7.2f} | "
-            f"{p.cycles_per_second:>16,.0f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} | "
-            f"{h.cycles_per_second / e.cycles_per_second:>10.2f} | "
-            f"{h.cycles_per_second / p.cycles_per_second:>13.2f}"
+            f" {h.acquire_p50_ms:>11.2f} {h.acquire_p99_ms:>6.2f}"
         )
+        for side in others:
+            o = medians[side][index]
+            line += f" | {o.cycles_per_second:>16,.0f} {o.p50_ms:>7.2f} {o.p99_ms:>7.2f}"
+        for side in others:
+            line += f" | {h.cycles_per_second / medians[side][index].cycles_per_second:>13.2f}"
+        lines.append(line)
     return "\n".join(lines)
 
 
-def wrk_table(levels: list[int], helix: list[WrkResult], etcd: list[WrkResult]) -> str:
-    header = (
-        f"{'clients':>7} | {'helix cycles/s':>14} {'request p50':>11} {'p99 ms':>7} {'wrk cores':>9}"
-        f" | {'etcd cycles/s':>13} {'request p50':>11} {'p99 ms':>7} {'wrk cores':>9} | {'helix/etcd':>10}"
+def wrk_table(levels: list[int], checked: dict[str, list[WrkResult]]) -> str:
+    """Per level and side: cycles/s, request latency, wrk's CPU and the service's CPU per cycle
+    (where measured); then helix's ratio to each other side."""
+    sides = list(checked)
+    header = f"{'clients':>7}" + "".join(
+        f" | {side + ' cycles/s':>14} {'request p50':>11} {'p99 ms':>7} {'wrk cores':>9} {'CPU ms/cycle':>12}"
+        for side in sides
     )
+    header += "".join(f" | {'helix/' + side:>11}" for side in sides[1:])
     lines = [header, "-" * len(header)]
-    for clients, h, e in zip(levels, helix, etcd, strict=True):
-        helix_side = f"{h.cycles_per_second:>14,.0f} {h.p50_ms:>11.2f} {h.p99_ms:>7.2f} {h.load_cpu:>9.2f}"
-        etcd_side = f"{e.cycles_per_second:>13,.0f} {e.p50_ms:>11.2f} {e.p99_ms:>7.2f} {e.load_cpu:>9.2f}"
-        ratio = h.cycles_per_second / e.cycles_per_second
-        lines.append(f"{clients:>7} | {helix_side} | {etcd_side} | {ratio:>10.2f}")
+    for index, clients in enumerate(levels):
+        line = f"{clients:>7}"
+        for side in sides:
+            r = checked[side][index]
+            line += (
+                f" | {r.cycles_per_second:>14,.0f} {r.p50_ms:>11.2f} {r.p99_ms:>7.2f} {r.load_cpu:>9.2f}"
+                f" {r.cpu_ms_per_cycle:>12.2f}"
+            )
+        helix = checked["helix"][index].cycles_per_second
+        line += "".join(f" | {helix / checked[side][index].cycles_per_second:>11.2f}" for side in sides[1:])
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -57,15 +72,15 @@ def report(
     rss: list[float],
     checked: dict[str, list[WrkResult]],
 ) -> str:
-    helix, etcd, pg = ([median(level) for level in runs[side]] for side in SIDES)
+    medians = {side: [median(level) for level in runs[side]] for side in SIDES}
     lines = [
-        "Helix Locks beside etcd and pgbench: acquire+release cycles/s and latency,"
+        "Helix Locks beside the bare app, etcd and pgbench: acquire+release cycles/s and latency,"
         " each client on its own key",
         f"  {args.runs} run(s) of {args.warmup} s warm-up + {args.duration} s measured per level and side,"
         f" sides in turn; the median run is shown; {CPUS} CPUs shared by everything",
         *(f"  {line}" for line in setup),
         "",
-        table(args.levels, helix, etcd, pg),
+        table(args.levels, medians),
         "",
         "cycles/s of every run, in order:",
     ]
@@ -74,12 +89,14 @@ def report(
             figures = ", ".join(f"{result.cycles_per_second:,.0f}" for result in results)
             lines.append(f"  {side:>7} at {clients:>3} clients: {figures}")
     lines += ["", f"CPU busy in the measured windows (median run), in cores of {CPUS}:"]
-    for clients, h, e, p in zip(args.levels, helix, etcd, pg, strict=True):
-        lines.append(
-            f"{clients:>7} clients: helix {h.busy_cpu:.2f} (load generator {h.load_cpu:.2f}),"
-            f" etcd {e.busy_cpu:.2f} (load generator {e.load_cpu:.2f}),"
-            f" pgbench {p.busy_cpu:.2f} (pgbench itself {p.load_cpu:.2f})"
-        )
+    for index, clients in enumerate(args.levels):
+        cpu = [
+            f"{side} {medians[side][index].busy_cpu:.2f}"
+            f" ({'pgbench itself' if side == 'pgbench' else 'load generator'}"
+            f" {medians[side][index].load_cpu:.2f})"
+            for side in SIDES
+        ]
+        lines.append(f"{clients:>7} clients: " + ", ".join(cpu))
     conflict_p50, conflict_p99 = (percentile(hot.conflicts, pct) * 1000 for pct in (50, 99))
     lines += [
         "",
@@ -93,8 +110,9 @@ def report(
     if checked["helix"]:
         lines += [
             "",
-            "cross-check: the same cycles from wrk (-t N -c N, one run; wrk times requests, not cycles):",
-            wrk_table(args.levels, checked["helix"], checked["etcd"]),
+            "cross-check: the same cycles from wrk (-t N -c N, one run; wrk times requests, not cycles;"
+            " CPU ms/cycle: the service workers' CPU time per cycle, from /proc):",
+            wrk_table(args.levels, checked),
         ]
     else:
         lines += ["", "cross-check with wrk skipped: wrk is not installed (apt-get install wrk)"]

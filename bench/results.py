@@ -61,3 +61,17 @@ def busy_cpu_ticks() -> tuple[int, int]:
 def busy_cores(before: tuple[int, int], after: tuple[int, int]) -> float:
     busy, total = after[0] - before[0], after[1] - before[1]
     return busy / total * CPUS if total > 0 else float("nan")
+
+
+TICKS_PER_SECOND = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time the processes have used, in seconds, from /proc/<pid>/stat."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            # pid (comm) state ppid ...: comm may hold spaces and parentheses, so split after it.
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
+    return total / TICKS_PER_SECOND

@@ -1,7 +1,8 @@
-"""Benchmark: Helix Locks beside etcd and pgbench, acquire+release cycles, in one run.
+"""Benchmark: Helix Locks beside the bare app, etcd and pgbench, acquire+release cycles, in one run.
 
     python -m bench.run            # 1, 8 and 32 clients; 3 runs of 3 s warm-up + 10 s per level and side
     python -m bench.run --quick    # smoke run: 1 run of 1 s warm-up + 3 s
+    python -m bench.run --chart chart.png   # also draw cycles/s and p99 against clients (matplotlib)
 
 (from the repository root). The parts are modules beside this one: the servers, the HTTP client
 and load, pgbench, wrk, the plan checks and the report; this one is the command.
@@ -9,14 +10,19 @@ and load, pgbench, wrk, the plan checks and the report; this one is the command.
 One cycle takes a lock and gives it back, each client on a key of its own, so nothing conflicts:
 - helix: POST /v1/locks then DELETE /v1/locks/{id} to `helix-locks serve --workers 2`, with an
   organization API key sent as Authorization: Bearer (keys required, as deployed);
+- bare: the same two requests to bench/bare.py, a minimal FastAPI + psycopg app running the same
+  statements under uvicorn with the same flags and workers, without keys, logs or metrics: what
+  the stack itself costs;
 - etcd: a single-node etcd (Debian's etcd-server) through its JSON gateway, a put-if-absent
   transaction then a compare-and-delete on the put's revision;
 - pgbench: helix_acquire_job_lock + helix_release_job_lock, prepared: as fast as these cycles can
   go on this database.
-The sides take turns within each run; the median run is reported, with the ratios Helix/etcd and
-Helix/pgbench. Then 32 clients fight over one key (the hot key): the 409 answers beside the grants.
-Last, where Debian's wrk is installed, wrk drives the same helix and etcd cycles once per level
-(bench/wrk/cycles.lua, a thread per connection) as a cross-check of the Python load generator.
+The sides take turns within each run; the median run is reported, with the ratios Helix/bare,
+Helix/etcd and Helix/pgbench. Then 32 clients fight over one key (the hot key): the 409 answers
+beside the grants.
+Last, where Debian's wrk is installed, wrk drives the same helix, bare and etcd cycles once per
+level (bench/wrk/cycles.lua, a thread per connection) as a cross-check of the Python load
+generator, with the service workers' CPU time per cycle for helix and bare.
 
 The database is a throwaway one: `helix_bench_<random>` on DATABASE_URL's server when that is set,
 else an embedded PostgreSQL in a temporary directory. It is seeded (released history of 100
@@ -27,6 +33,7 @@ at the end, on error and on Ctrl-C too.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import signal
@@ -37,14 +44,15 @@ from pathlib import Path
 
 import psycopg
 
-from bench import BenchError, interrupted, log
+from bench import interrupted, log, said_and_stopped
+from bench.chart import draw
 from bench.database import bench_database, seed
 from bench.http_load import run_http
 from bench.pgbench import run_pgbench
 from bench.plans import check_listing_plans, check_plans
-from bench.report import report
+from bench.report import SIDES, median, report
 from bench.results import CPUS, Result
-from bench.servers import create_key, etcd_server, service_process, worker_pids
+from bench.servers import bare_process, create_key, etcd_server, service_process, worker_pids
 from bench.wrk import WrkResult, run_wrk
 from helix_locks.embedded import DIRECT_DATABASE_URL
 from helix_locks.migrate import migrate
@@ -97,7 +105,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="put Debian's PgBouncer (transaction mode) between the service and PostgreSQL, with the"
         " direct URL set: the cost of the pooler mode",
     )
+    parser.add_argument(
+        "--chart",
+        type=Path,
+        metavar="PATH",
+        help="also draw cycles/s and p99 against clients, every side's median run, as a PNG"
+        " (needs matplotlib)",
+    )
     args = parser.parse_args(argv)
+    if args.chart and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--chart needs matplotlib: pip install matplotlib (it is in the dev extra)")
     try:
         args.levels = [int(level) for level in args.clients.split(",")]
     except ValueError:
@@ -117,59 +134,63 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupted)
     # Anything else running skews the numbers on a small machine: say how busy it was.
     setup = [f"load average before the run: {' '.join(f'{value:.2f}' for value in os.getloadavg())}"]
-    runs: dict[str, list[list[Result]]] = {
-        side: [[] for _ in args.levels] for side in ("helix", "etcd", "pgbench")
-    }
-    try:
-        with ExitStack() as cleanup:
-            workdir = Path(tempfile.mkdtemp(prefix="helix-bench-"))
-            cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
-            url, where = cleanup.enter_context(bench_database(workdir))
-            with psycopg.connect(url) as conn:
-                version = conn.execute("SHOW server_version").fetchone()
-            setup.append(f"database: {where}, PostgreSQL {version[0] if version else '?'}")
-            log(setup[-1])
-            migrate(url)
-            setup.append(f"seeded: {seed(url, args.history, args.live)}")
-            log(setup[-1])
-            setup.append(check_plans(url))
-            log(setup[-1])
-            setup.append(check_listing_plans(url))
-            log(setup[-1])
-            service_env = None
-            if args.pgbouncer:
-                pooler = cleanup.enter_context(pgbouncer(url))
-                service_env = {"DATABASE_URL": through(pooler.port, url), DIRECT_DATABASE_URL: url}
-                setup.append(
-                    "helix reaches PostgreSQL through PgBouncer (Debian's), pool_mode = transaction, with"
-                    " HELIX_LOCKS_DIRECT_DATABASE_URL for LISTEN; pgbench goes direct"
-                )
-            base_url, process = cleanup.enter_context(
-                service_process(url, args.workers, workdir / "service.log", service_env)
-            )
-            key = create_key(url, base_url)
-            etcd_url = cleanup.enter_context(etcd_server(workdir))
-            client = "httpx.AsyncClient" if args.httpx else "a minimal HTTP/1.1 client"
-            processes = min(args.processes, max(args.levels))
+    runs: dict[str, list[list[Result]]] = {side: [[] for _ in args.levels] for side in SIDES}
+    with said_and_stopped(), ExitStack() as cleanup:
+        workdir = Path(tempfile.mkdtemp(prefix="helix-bench-"))
+        cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
+        url, where = cleanup.enter_context(bench_database(workdir))
+        with psycopg.connect(url) as conn:
+            version = conn.execute("SHOW server_version").fetchone()
+        setup.append(f"database: {where}, PostgreSQL {version[0] if version else '?'}")
+        log(setup[-1])
+        migrate(url)
+        setup.append(f"seeded: {seed(url, args.history, args.live)}")
+        log(setup[-1])
+        setup.append(check_plans(url))
+        log(setup[-1])
+        setup.append(check_listing_plans(url))
+        log(setup[-1])
+        service_env = None
+        if args.pgbouncer:
+            pooler = cleanup.enter_context(pgbouncer(url))
+            service_env = {"DATABASE_URL": through(pooler.port, url), DIRECT_DATABASE_URL: url}
             setup.append(
-                "helix: POST /v1/locks + DELETE /v1/locks/{id} to helix-locks serve"
-                f" --workers {args.workers}, with an organization API key (keys required, as deployed)"
+                "helix reaches PostgreSQL through PgBouncer (Debian's), pool_mode = transaction, with"
+                " HELIX_LOCKS_DIRECT_DATABASE_URL for LISTEN; pgbench goes direct"
             )
-            setup.append(
-                "etcd: a single node (Debian's etcd-server), its JSON gateway: a put-if-absent transaction,"
-                " then a compare-and-delete transaction on the put's revision"
-            )
-            setup.append(f"HTTP load: {processes} load process(es) running {client}, keep-alive connections")
-            setup.append("pgbench: the same two SQL function calls, -M prepared, one transaction per cycle")
-            timing = f"{args.warmup} s warm-up + {args.duration} s"
-            for run in range(args.runs):
-                for index, clients in enumerate(args.levels):
-                    log(f"run {run + 1}/{args.runs}, {clients} client(s): each side {timing} ...")
-                    runs["helix"][index].append(
+        base_url, process = cleanup.enter_context(
+            service_process(url, args.workers, workdir / "service.log", service_env)
+        )
+        key = create_key(url, base_url)
+        bare_url, bare_app = cleanup.enter_context(bare_process(url, args.workers, workdir / "bare.log"))
+        etcd_url = cleanup.enter_context(etcd_server(workdir))
+        client = "httpx.AsyncClient" if args.httpx else "a minimal HTTP/1.1 client"
+        processes = min(args.processes, max(args.levels))
+        setup.append(
+            "helix: POST /v1/locks + DELETE /v1/locks/{id} to helix-locks serve"
+            f" --workers {args.workers}, with an organization API key (keys required, as deployed)"
+        )
+        setup.append(
+            f"bare: bench/bare.py, FastAPI + psycopg_pool running the same two statements, uvicorn"
+            f" --workers {args.workers} (httptools, no access log), no key, logs or metrics"
+        )
+        setup.append(
+            "etcd: a single node (Debian's etcd-server), its JSON gateway: a put-if-absent transaction,"
+            " then a compare-and-delete transaction on the put's revision"
+        )
+        setup.append(f"HTTP load: {processes} load process(es) running {client}, keep-alive connections")
+        setup.append("pgbench: the same two SQL function calls, -M prepared, one transaction per cycle")
+        timing = f"{args.warmup} s warm-up + {args.duration} s"
+        http_sides = {"helix": (base_url, key), "bare": (bare_url, None), "etcd": (etcd_url, None)}
+        for run in range(args.runs):
+            for index, clients in enumerate(args.levels):
+                log(f"run {run + 1}/{args.runs}, {clients} client(s): each side {timing} ...")
+                for side, (side_url, side_key) in http_sides.items():
+                    runs[side][index].append(
                         run_http(
-                            base_url,
-                            "helix",
-                            key,
+                            side_url,
+                            side,
+                            side_key,
                             clients,
                             args.processes,
                             args.warmup,
@@ -178,47 +199,25 @@ def main(argv: list[str] | None = None) -> int:
                             run,
                         )
                     )
-                    runs["etcd"][index].append(
-                        run_http(
-                            etcd_url,
-                            "etcd",
-                            None,
-                            clients,
-                            args.processes,
-                            args.warmup,
-                            args.duration,
-                            args.httpx,
-                            run,
-                        )
+                runs["pgbench"][index].append(run_pgbench(url, clients, args.warmup, args.duration, workdir))
+        log(f"hot key: {max(args.levels)} clients on one key, {timing} ...")
+        hot = run_http(
+            base_url, "hot", key, max(args.levels), args.processes, args.warmup, args.duration, args.httpx
+        )
+        rss = [rss_mb(pid) for pid in worker_pids(process.pid)]
+        checked: dict[str, list[WrkResult]] = {side: [] for side in http_sides}
+        served = {"helix": worker_pids(process.pid), "bare": worker_pids(bare_app.pid), "etcd": []}
+        if shutil.which("wrk"):
+            for clients in args.levels:
+                log(f"wrk cross-check, {clients} client(s): each side {timing} ...")
+                for side, (side_url, side_key) in http_sides.items():
+                    checked[side].append(
+                        run_wrk(side_url, side, side_key, clients, args.warmup, args.duration, served[side])
                     )
-                    runs["pgbench"][index].append(
-                        run_pgbench(url, clients, args.warmup, args.duration, workdir)
-                    )
-            log(f"hot key: {max(args.levels)} clients on one key, {timing} ...")
-            hot = run_http(
-                base_url, "hot", key, max(args.levels), args.processes, args.warmup, args.duration, args.httpx
-            )
-            rss = [rss_mb(pid) for pid in worker_pids(process.pid)]
-            checked: dict[str, list[WrkResult]] = {"helix": [], "etcd": []}
-            if shutil.which("wrk"):
-                for clients in args.levels:
-                    log(f"wrk cross-check, {clients} client(s): each side {timing} ...")
-                    checked["helix"].append(
-                        run_wrk(base_url, "helix", key, clients, args.warmup, args.duration)
-                    )
-                    checked["etcd"].append(
-                        run_wrk(etcd_url, "etcd", None, clients, args.warmup, args.duration)
-                    )
-    except KeyboardInterrupt:
-        log("interrupted; everything it started is stopped and removed")
-        return 130
-    except BenchError as exc:
-        log(f"error: {exc}")
-        return 1
-    except psycopg.Error as exc:
-        log(f"database error: {exc}")
-        return 1
     print(report(args, setup, runs, hot, rss, checked))
+    if args.chart:
+        draw(args.chart, args.levels, {side: [median(level) for level in runs[side]] for side in SIDES})
+        log(f"chart: {args.chart}")
     failures = sum(result.failures for levels in runs.values() for level in levels for result in level)
     failures += sum(result.failures for results in checked.values() for result in results)
     return 0 if failures == 0 else 1

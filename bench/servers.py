@@ -1,4 +1,4 @@
-"""The servers under test, as real processes: `helix-locks serve`, and a single-node etcd."""
+"""The servers under test, as real processes: `helix-locks serve`, the bare app and a single-node etcd."""
 
 from __future__ import annotations
 
@@ -14,28 +14,56 @@ from pathlib import Path
 
 import httpx
 
-from bench import BenchError
+from bench import BenchError, bare
 from bench.http_client import REQUEST_TIMEOUT
 from helix_locks import keys
-from tests.support import NotReady, children, free_port, tail, wait_ready
+from tests.support import ROOT, NotReady, children, free_port, tail, wait_ready
 
 
 @contextmanager
 def service_process(
-    url: str, workers: int, log_path: Path, env: dict[str, str] | None = None
+    url: str,
+    workers: int,
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    launcher: list[str] | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """`helix-locks serve` on a free port, ready; stopped with SIGTERM on exit. Yields its URL and
     its process (with --workers 1 it is the one serving requests); `env` is laid over
-    DATABASE_URL=url."""
+    DATABASE_URL=url. `launcher` runs `serve ...` instead of the installed helix-locks."""
     port = free_port()
-    installed = Path(sys.executable).with_name("helix-locks")
-    command = [str(installed)] if installed.exists() else [sys.executable, "-m", "helix_locks.cli"]
-    command += ["serve", "--port", str(port), "--workers", str(workers)]
+    if launcher is None:
+        installed = Path(sys.executable).with_name("helix-locks")
+        launcher = [str(installed)] if installed.exists() else [sys.executable, "-m", "helix_locks.cli"]
+    command = [*launcher, "serve", "--port", str(port), "--workers", str(workers)]
+    with server_process(command, port, {"DATABASE_URL": url, **(env or {})}, log_path) as served:
+        yield served
+
+
+@contextmanager
+def bare_process(url: str, workers: int, log_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """The bare app (bench/bare.py) under uvicorn, with the flags `helix-locks serve` gives it
+    (server.py): httptools, `workers`, no access log, no server header. Helix's protocol is a
+    subclass of uvicorn's httptools one, with bounds on what a client sends."""
+    port = free_port()
+    command = [sys.executable, "-m", "uvicorn", "bench.bare:app", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--workers", str(workers), "--http", "httptools", "--no-access-log", "--no-server-header"]
+    with server_process(command, port, {bare.DATABASE_URL: url}, log_path) as served:
+        yield served
+
+
+@contextmanager
+def server_process(
+    command: list[str], port: int, env: dict[str, str], log_path: Path
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`command`, listening on `port` of 127.0.0.1, run from the repository root with `env` laid
+    over ours, until it answers /readyz; stopped on exit. Yields its URL and its process."""
     with log_path.open("wb") as log:
         # Its own session: Ctrl-C reaches only us, and we stop it in order.
         process = subprocess.Popen(
             command,
-            env={**os.environ, "DATABASE_URL": url, **(env or {})},
+            env={**os.environ, **env},
+            cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -111,7 +139,7 @@ def etcd_server(workdir: Path) -> Iterator[str]:
 
 
 def worker_pids(pid: int) -> list[int]:
-    """uvicorn's worker processes under `helix-locks serve` (itself, with --workers 1)."""
+    """uvicorn's worker processes under `helix-locks serve` or uvicorn (itself, with --workers 1)."""
     found = []
     for child in children(pid):
         with suppress(OSError):

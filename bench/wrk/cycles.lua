@@ -1,8 +1,8 @@
 -- bench/run.py's cross-check: wrk -t N -c N, a thread per connection, so that request() and
 -- response() alternate and each thread runs whole lock cycles on a key of its own.
--- Arguments: the side, then its own. helix: the API key and a key prefix (POST /v1/locks, then
--- DELETE /v1/locks/{id}). etcd: the keys, base64, one per thread (a put-if-absent transaction,
--- then a compare-and-delete on the put's revision).
+-- Arguments: the side, then its own. helix and bare: the API key (empty: none sent) and a key
+-- prefix (POST /v1/locks, then DELETE /v1/locks/{id}). etcd: the keys, base64, one per thread (a
+-- put-if-absent transaction, then a compare-and-delete on the put's revision).
 local threads = {}
 
 function setup(thread)
@@ -17,11 +17,15 @@ end
 
 function init(args)
   side, held, releasing, cycles, failures = args[1], nil, false, 0, 0
-  if side == "helix" then
-    auth = "Bearer " .. args[2]
+  lock_api = side ~= "etcd"  -- helix, or the bare app: the same requests
+  if lock_api then
+    auth = {}
+    if args[2] ~= "" then auth["Authorization"] = "Bearer " .. args[2] end
     local body = string.format(
       '{"organization_id":"bench","job_type":"%s-%d","holder":"wrk","ttl_seconds":30}', args[3], id)
-    acquire = wrk.format("POST", "/v1/locks", {["Authorization"] = auth, ["Content-Type"] = "application/json"}, body)
+    local headers = {["Content-Type"] = "application/json"}
+    for name, value in pairs(auth) do headers[name] = value end
+    acquire = wrk.format("POST", "/v1/locks", headers, body)
   else
     key = args[id + 2]
     acquire = txn(
@@ -32,8 +36,10 @@ end
 
 -- What releases the lock this thread holds (held: what the acquire's answer said).
 local function release()
-  if side == "helix" then
-    return wrk.format("DELETE", "/v1/locks/" .. held.id, {["Authorization"] = auth, ["Lock-Token"] = held.token})
+  if lock_api then
+    local headers = {["Lock-Token"] = held.token}
+    for name, value in pairs(auth) do headers[name] = value end
+    return wrk.format("DELETE", "/v1/locks/" .. held.id, headers)
   end
   return txn(
     string.format('{"key":"%s","result":"EQUAL","target":"MOD","mod_revision":"%s"}', key, held.revision),
@@ -51,7 +57,7 @@ function request()
 end
 
 function response(status, headers, body)
-  if side == "helix" then
+  if lock_api then
     if releasing and status == 204 then
       cycles = cycles + 1
     elseif not releasing and status == 201 then
