@@ -1,5 +1,6 @@
 """The benchmarks, run from the repository root: `python -m bench.run` (beside etcd and pgbench),
-`python -m bench.layers` (the cost of each layer), `python -m bench.soak` and
+`python -m bench.layers` (the cost of each layer), `python -m bench.micro` (two layers timed alone),
+`python -m bench.soak` and
 `python -m bench.waiters`. What all of them share is here."""
 
 from __future__ import annotations
