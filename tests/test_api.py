@@ -296,6 +296,44 @@ async def test_renew_403_410_and_422(client: httpx.AsyncClient, conn: Conn) -> N
     assert gone["release_reason"] == "reclaimed"
 
 
+async def test_update_replaces_metadata_and_leaves_the_lease(client: httpx.AsyncClient, conn: Conn) -> None:
+    grant = await acquire(client, metadata={"run": "2026-11-30"})
+    url, token = f"/v1/locks/{grant['id']}", {"Lock-Token": grant["token"]}
+    response = await client.patch(url, headers=token, json={"metadata": {"done": 40, "of": 100}})
+    assert response.status_code == 200, response.text
+    updated = response.json()
+    assert updated["metadata"] == {"done": 40, "of": 100}  # replaced, not merged
+    assert (updated["expires_at"], updated["fencing_token"]) == (grant["expires_at"], grant["fencing_token"])
+    assert "token" not in updated
+    assert (await client.get(url)).json()["metadata"] == {"done": 40, "of": 100}
+    # A lapsed lease nobody reclaimed may still be updated; it stays lapsed.
+    expire(conn, grant["id"])
+    lapsed = await client.patch(url, headers=token, json={"metadata": None})
+    assert lapsed.status_code == 200, lapsed.text
+    assert (lapsed.json()["metadata"], lapsed.json()["state"]) == (None, "expired")
+
+
+async def test_update_403_404_410_and_422(client: httpx.AsyncClient, conn: Conn) -> None:
+    grant = await acquire(client)
+    url, good = f"/v1/locks/{grant['id']}", {"Lock-Token": grant["token"]}
+    assert_problem(await client.patch(url, headers={"Lock-Token": "x"}, json={"metadata": {}}), 403)
+    assert_problem(await client.patch("/v1/locks/999999", headers=good, json={"metadata": {}}), 404)
+    missing = assert_problem(await client.patch(url, headers=good, json={}), 422)
+    assert missing["errors"][0]["field"] == "metadata"
+    too_big = {"metadata": {"blob": "x" * 9000}}
+    assert assert_problem(await client.patch(url, headers=good, json=too_big), 422)["errors"][0]["field"] == (
+        "metadata"
+    )
+    not_json = await client.patch(url, headers={**good, "Content-Type": "text/plain"}, content=b"{}")
+    assert_problem(not_json, 415)
+    assert (await client.get(url)).json()["metadata"] is None  # none of them changed it
+    expire(conn, grant["id"])
+    await acquire(client, holder="successor")
+    gone = assert_problem(await client.patch(url, headers=good, json={"metadata": {"late": True}}), 410)
+    assert gone["release_reason"] == "reclaimed"
+    assert (await client.get(url)).json()["metadata"] is None
+
+
 # --- inspect -----------------------------------------------------------------------------------
 
 

@@ -76,6 +76,7 @@ MATRIX: dict[str, list[int]] = {
     "current": [401, 401, 401, 200, 404, 200],
     "get": [401, 401, 401, 200, 404, 200],
     "renew": [401, 401, 401, 200, 404, 200],
+    "update": [401, 401, 401, 200, 404, 200],
     "release": [401, 401, 401, 204, 404, 204],
     "force": [401, 401, 401, 403, 403, 204],
 }
@@ -103,6 +104,8 @@ async def call(
         return await client.get(url, headers=headers)
     if endpoint == "renew":
         return await client.post(f"{url}/renew", json={"ttl_seconds": 30}, headers=with_token)
+    if endpoint == "update":
+        return await client.patch(url, json={"metadata": {"done": 1}}, headers=with_token)
     if endpoint == "release":
         return await client.delete(url, headers=with_token)
     return await client.delete(url, params={"force": "true"}, headers=headers)

@@ -112,6 +112,22 @@ def test_a_lease_renews_itself_well_past_its_ttl_and_is_released_at_the_end(
         assert client.current("acme", "long-job") is None, "released when the block ends"
 
 
+def test_a_holder_publishes_progress_and_learns_when_the_lock_is_not_its_own(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    url, _ = service
+    with either(kind, url) as client:
+        grant = client.acquire("acme", "progress", ttl=30)
+        updated = client.update(grant.id, grant.token, {"done": 40, "of": 100})
+        assert updated["metadata"] == {"done": 40, "of": 100}
+        assert client.get(grant.id)["metadata"] == {"done": 40, "of": 100}
+        with pytest.raises(LockLost):
+            client.update(grant.id, "0" * 32, {"done": 41})  # 403: not this holder's token
+        client.release(grant.id, grant.token)
+        with pytest.raises(LockLost):
+            client.update(grant.id, grant.token, {"done": 100})  # 410: released
+
+
 # What makes a holder's renewal answer each status: the lock ended, vanished, or has another token.
 BREAKS = {
     410: "UPDATE helix_job_locks SET released_at = clock_timestamp(), release_reason = 'forced'"

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 from psycopg import errors
 from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
 
 from helix_locks import queries
 
@@ -66,6 +67,18 @@ def renew(conn: Conn, lock_id: int, token: str, ttl_ms: int) -> dict[str, Any]:
         .execute(queries.RENEW, {"lock_id": lock_id, "token": token, "ttl_ms": ttl_ms, "scope": None})
         .fetchall()
     )
+    assert len(rows) == 1
+    return rows[0]
+
+
+def update(conn: Conn, lock_id: int, token: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
+    params = {
+        "lock_id": lock_id,
+        "token": token,
+        "metadata": None if metadata is None else Jsonb(metadata),
+        "scope": None,
+    }
+    rows = conn.cursor(row_factory=dict_row).execute(queries.UPDATE, params).fetchall()
     assert len(rows) == 1
     return rows[0]
 
@@ -243,7 +256,11 @@ def test_release_and_renew_report_their_failures_as_sqlstates(conn: Conn) -> Non
         ((lock["id"], "not-the-token"), "HL002"),
     ]
     for (lock_id, token), code in cases:
-        for call in (release, functools.partial(renew, ttl_ms=1000)):
+        for call in (
+            release,
+            functools.partial(renew, ttl_ms=1000),
+            functools.partial(update, metadata=None),
+        ):
             with pytest.raises(psycopg.Error) as raised:
                 call(conn, lock_id, token)
             assert raised.value.sqlstate == code
@@ -272,6 +289,27 @@ def test_renew_extends_from_database_now_and_reports_a_lapse(conn: Conn) -> None
         renew(conn, lock["id"], lock["token"], 60000)
     assert gone.value.sqlstate == "HL003"
     assert json.loads(gone.value.diag.message_detail or "")["release_reason"] == "reclaimed"
+
+
+@pytest.mark.parametrize("reclaimer_outcome", ["commit", "rollback"])
+def test_an_update_racing_a_reclaim_waits_for_it(db_url: str, conn: Conn, reclaimer_outcome: str) -> None:
+    """The holder's update of a lapsed lease waits for an uncommitted reclaim, then fails with
+    HL003 if it committed, or updates the lock (lease unchanged) if it rolled back."""
+    lapsed = acquire(conn)
+    expire(conn, lapsed["id"])
+    with psycopg.connect(db_url) as reclaimer, psycopg.connect(db_url, autocommit=True) as holder:
+        acquire(reclaimer, holder="reclaimer")
+        with waiting(
+            conn, holder, lambda: update(holder, lapsed["id"], lapsed["token"], {"done": 1})
+        ) as outcome:
+            getattr(reclaimer, reclaimer_outcome)()
+    if reclaimer_outcome == "commit":
+        assert outcome["error"].sqlstate == "HL003"
+        assert row(conn, lapsed["id"])["metadata"] is None
+    else:
+        updated = outcome["result"]
+        assert (updated["metadata"], updated["state"]) == ({"done": 1}, "expired")
+        assert updated["expires_at"] == row(conn, lapsed["id"])["expires_at"]
 
 
 @pytest.mark.parametrize("ttl_ms", [999, 86_400_001, -5, None])

@@ -46,6 +46,7 @@ from helix_locks.schemas import (
     PageBody,
     RenewalBody,
     RenewRequest,
+    UpdateRequest,
     ttl_ms,
 )
 from helix_locks.telemetry import Metrics
@@ -442,6 +443,37 @@ async def renew(request: Request, lock_id: LockIdPath, token: LockToken, body: R
     answered.result = "renewed"
     logs.bind(lapsed=renewal.lapsed)
     return json_body(RenewalBody.of_renewal(renewal))
+
+
+@router.patch(
+    "/locks/{lock_id}",
+    response_model=LockBody,
+    summary="Update a held lock's metadata",
+    operation_id="updateLock",
+    openapi_extra=BEARER_REQUIRED,
+    response_description="The lock with its new metadata; the lease is as it was.",
+    responses=problems.responses(
+        Unauthenticated,
+        Forbidden,
+        TokenMismatch,
+        LockNotFound,
+        LockEnded,
+        UnsupportedMediaType,
+        InvalidRequest,
+        DatabaseUnavailable,
+    ),
+)
+async def update(request: Request, lock_id: LockIdPath, token: LockToken, body: UpdateRequest) -> Response:
+    """Replace the metadata of a lock you hold, to publish progress or an address; works on a
+    lapsed lease nobody reclaimed, and does not renew it."""
+    session = await authorized(request)
+    answered = outcome(request.scope)
+    id_ = known_lock_id(lock_id)
+    async with _naming_the_lock(answered):
+        lock = await session.locks.update(session.caller, id_, token, body.metadata)
+    answered.about(lock.organization_id, lock.job_type)
+    answered.result = "updated"
+    return json_body(LockBody.of(lock))
 
 
 @asynccontextmanager

@@ -355,6 +355,17 @@ class _Core:
         renewed: dict[str, Any] = response.json()
         return renewed
 
+    def _update(self, lock_id: int, token: str, metadata: dict[str, Any] | None) -> Flow[dict[str, Any]]:
+        response = yield from self._send(
+            "PATCH",
+            f"/v1/locks/{lock_id}",
+            json={"metadata": metadata},
+            headers={"Lock-Token": token},
+            holding=True,
+        )
+        updated: dict[str, Any] = response.json()
+        return updated
+
     def _release(self, lock_id: int, token: str) -> Flow[None]:
         try:
             path, headers = f"/v1/locks/{lock_id}", {"Lock-Token": token}
@@ -444,6 +455,10 @@ class LockClient(_Core):
 
     def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
         return self._run(self._renew(lock_id, token, ttl, within))
+
+    def update(self, lock_id: int, token: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
+        """Replace a held lock's metadata (progress, an address); LockLost if it is not ours."""
+        return self._run(self._update(lock_id, token, metadata))
 
     def release(self, lock_id: int, token: str) -> None:
         """Release; LockLost if the lock had already ended otherwise (it was not ours any more).
@@ -546,6 +561,10 @@ class AsyncLockClient(_Core):
 
     async def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
         return await self._run(self._renew(lock_id, token, ttl, within))
+
+    async def update(self, lock_id: int, token: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
+        """Replace a held lock's metadata (progress, an address); LockLost if it is not ours."""
+        return await self._run(self._update(lock_id, token, metadata))
 
     async def release(self, lock_id: int, token: str) -> None:
         """As LockClient.release."""

@@ -366,6 +366,16 @@ class Locks:
         row = await self.db.fetch_first(queries.RENEW, params)
         return Renewal(Lock.from_row(row), row["lapsed"])
 
+    async def update(self, caller: Caller, lock_id: int, token: str, metadata: dict[str, Any] | None) -> Lock:
+        """Replace a held lock's metadata; its lease stays as it is."""
+        params = {
+            "lock_id": lock_id,
+            "token": token,
+            "metadata": None if metadata is None else Jsonb(metadata),
+            "scope": caller.scope,
+        }
+        return Lock.from_row(await self.db.fetch_first(queries.UPDATE, params))
+
     async def get(self, caller: Caller, lock_id: int) -> Lock:
         row = await self.db.fetch_optional(queries.GET, {"lock_id": lock_id, "scope": caller.scope})
         if row is None:

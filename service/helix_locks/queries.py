@@ -77,6 +77,9 @@ RELEASE_UNCLAIMED = "SELECT helix_release_unclaimed(%(lock_id)s, %(token)s, %(sc
 
 RENEW = "SELECT " + LOCK + ", lapsed FROM helix_renew_job_lock(%(lock_id)s, %(token)s, %(ttl_ms)s, %(scope)s)"
 
+# PATCH: the holder replaces the metadata; the lease is unchanged (migration 0015).
+UPDATE = "SELECT " + LOCK + " FROM helix_update_job_lock(%(lock_id)s, %(token)s, %(metadata)s, %(scope)s)"
+
 GET = (
     "SELECT "
     + LOCK

@@ -177,6 +177,16 @@ class RenewRequest(BaseModel):
     ttl_seconds: TtlSeconds
 
 
+class UpdateRequest(BaseModel):
+    """Replace a held lock's metadata (null clears it); the lease is not changed."""
+
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [{"metadata": {"done": 40, "of": 100}}]}
+    )
+
+    metadata: Metadata = Field(...)
+
+
 class LockBody(BaseModel):
     """A lock in any state; times are RFC 3339 UTC, ttl_remaining_ms is the database's."""
 

@@ -47,6 +47,7 @@ OPERATIONS = {
     ("POST", "/v1/locks"): "acquisitions",
     ("DELETE", "/v1/locks/{lock_id}"): "releases",
     ("POST", "/v1/locks/{lock_id}/renew"): "renewals",
+    ("PATCH", "/v1/locks/{lock_id}"): "updates",
 }
 # Methods with a series of their own; any other is counted as "other", so that made-up methods
 # cannot add series without end.
@@ -80,6 +81,12 @@ class Metrics:
         self.renewals = Counter(
             "helix_locks_renewals",
             "Renewal answers by result: renewed, gone (410), or the problem type.",
+            result,
+            registry=registry,
+        )
+        self.updates = Counter(
+            "helix_locks_updates",
+            "Metadata update answers by result: updated, gone (410), or the problem type.",
             result,
             registry=registry,
         )
