@@ -1,8 +1,9 @@
 -- PATCH /v1/locks/{id}: a holder replaces its lock's metadata (progress, a leader's address).
 -- The same holder check as renew (helix_lock_for_holder: HL001 no such lock in the caller's
 -- organization, HL002 wrong token, HL003 ended), and like renew it works on a lapsed lease that
--- nobody reclaimed; the lease itself is not changed. FOR NO KEY UPDATE, as renew takes: metadata
--- is no key, so an acquire's check of the key does not wait for it.
+-- nobody reclaimed; the lease itself is not changed. It locks the row FOR NO KEY UPDATE, as renew
+-- does: a competing acquire (which reads the live row FOR UPDATE), renew or release waits for it,
+-- and that is what orders an update against a reclaim.
 CREATE FUNCTION helix_update_job_lock(
     p_lock_id bigint, p_token text, p_metadata jsonb, p_organization_id text
 )

@@ -350,6 +350,8 @@ def test_an_owner_migrates_and_a_role_without_ddl_serves(
             http.post(f"/v1/locks/{lock['id']}/renew", json={"ttl_seconds": 30}, headers=token).status_code
             == 200
         )
+        updated = http.patch(f"/v1/locks/{lock['id']}", json={"metadata": {"done": 1}}, headers=token)
+        assert updated.status_code == 200, updated.text
         assert http.get("/v1/locks/current", params=KEY).json()["id"] == lock["id"]
         assert http.get("/v1/locks").json()["items"][0]["id"] == lock["id"]
         waiter = http.post("/v1/locks", json={**body, "holder": "w2", "wait_seconds": 0.5})

@@ -15,7 +15,7 @@ _KEY = "helix_locks.outcome"
 
 @dataclass
 class Outcome:
-    result: str | None = None  # what the operation did: granted, reclaimed, released, forced, renewed
+    result: str | None = None  # what it did: granted, reclaimed, released, forced, renewed, updated
     problem: str | None = None  # the problem type it was answered with
     organization_id: str | None = None  # the lock's organization and job type, once known
     job_type: str | None = None
