@@ -231,6 +231,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             sampler = asyncio.create_task(metrics.sample_pool_every(pool), name="helix-locks-pool-metrics")
             stack.push_async_callback(_cancelled, sampler)
             stack.callback(_answer_waiters_on_stop(waiters))
+            services = api.Services(
+                locks=Locks(db, LiveLockQuota(db, settings.max_live_locks_per_organization)),
+                keys=keys,
+                waiters=waiters,
+                metrics=metrics,
+                db=db,
+                anonymous_any_host=settings.anonymous_any_host,
+            )
             # What exists now (modules, the app, its routes and schemas) lives as long as the app.
             # Out of the collector's sight, a full collection is far shorter (docs/performance.md):
             # a pause that every request in flight waits out. Undone at the end, for processes that
@@ -238,16 +246,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             gc.collect()
             gc.freeze()
             stack.callback(gc.unfreeze)
-            yield {
-                "services": api.Services(
-                    locks=Locks(db, LiveLockQuota(db, settings.max_live_locks_per_organization)),
-                    keys=keys,
-                    waiters=waiters,
-                    metrics=metrics,
-                    db=db,
-                    anonymous_any_host=settings.anonymous_any_host,
-                )
-            }
+            yield {"services": services}
 
     app = FastAPI(
         docs_url=None,  # served below, with Swagger UI's files from the package

@@ -66,9 +66,7 @@ class ProblemResponse(JSONResponse):
         self.kind = kind
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        answered = outcome(scope)
-        if answered is not None:
-            answered.problem = self.kind
+        outcome(scope).problem = self.kind
         await super().__call__(scope, receive, send)
 
 
