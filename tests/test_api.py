@@ -458,7 +458,7 @@ async def test_unknown_route_and_method_are_problems(client: httpx.AsyncClient) 
     # Allow names every method of the path, not only those of the first route that matched it.
     not_allowed = await client.put("/v1/locks/1")
     assert_problem(not_allowed, 405)
-    assert not_allowed.headers["Allow"] == "DELETE, GET"
+    assert not_allowed.headers["Allow"] == "DELETE, GET, PATCH"
     assert (await client.put("/v1/locks/current")).headers["Allow"] == "GET"
 
 

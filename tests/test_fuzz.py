@@ -24,6 +24,8 @@ from tests.support import ROOT, running_service
 
 schema = schemathesis.openapi.from_path(ROOT / "openapi.json")
 EXAMPLES = int(os.environ.get("HELIX_FUZZ_EXAMPLES", "50"))
+# Where a schema-valid request may rightly be refused (below): a listing, an acquire, an update.
+VAGUE = {("GET", "/v1/locks"), ("POST", "/v1/locks"), ("PATCH", "/v1/locks/{lock_id}")}
 
 
 @pytest.fixture
@@ -59,8 +61,11 @@ def test_every_answer_conforms_and_no_error_is_a_5xx(
         timeout=10,
         # Schema-valid but refused (422) is right where the schema cannot say what is valid: a
         # cursor this service never issued, or text with a NUL character (PostgreSQL cannot store
-        # it, and JSON Schema cannot say so for metadata nested at any depth).
-        excluded_checks=[positive_data_acceptance] if case.operation.path == "/v1/locks" else [],
+        # it, and JSON Schema cannot say so for metadata nested at any depth) in an acquire's or an
+        # update's metadata.
+        excluded_checks=[positive_data_acceptance]
+        if (case.operation.method.upper(), case.operation.path) in VAGUE
+        else [],
     )
     if response.status_code >= 400:
         assert response.headers["content-type"] == [MEDIA_TYPE], response.text
