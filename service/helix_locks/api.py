@@ -414,6 +414,19 @@ async def release(
     return Response(status_code=204)
 
 
+# What a holder's renew and update may answer (release, which takes no body, lists its own).
+HOLDER_PROBLEMS = problems.responses(
+    Unauthenticated,
+    Forbidden,
+    TokenMismatch,
+    LockNotFound,
+    LockEnded,
+    UnsupportedMediaType,
+    InvalidRequest,
+    DatabaseUnavailable,
+)
+
+
 @router.post(
     "/locks/{lock_id}/renew",
     response_model=RenewalBody,
@@ -421,16 +434,7 @@ async def release(
     operation_id="renewLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The lock with its new expires_at; lapsed says whether the lease had run out.",
-    responses=problems.responses(
-        Unauthenticated,
-        Forbidden,
-        TokenMismatch,
-        LockNotFound,
-        LockEnded,
-        UnsupportedMediaType,
-        InvalidRequest,
-        DatabaseUnavailable,
-    ),
+    responses=HOLDER_PROBLEMS,
 )
 async def renew(request: Request, lock_id: LockIdPath, token: LockToken, body: RenewRequest) -> Response:
     """Extend the lease to database-now + ttl_seconds; works on a lapsed lease nobody reclaimed."""
@@ -452,16 +456,7 @@ async def renew(request: Request, lock_id: LockIdPath, token: LockToken, body: R
     operation_id="updateLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The lock with its new metadata; the lease is as it was.",
-    responses=problems.responses(
-        Unauthenticated,
-        Forbidden,
-        TokenMismatch,
-        LockNotFound,
-        LockEnded,
-        UnsupportedMediaType,
-        InvalidRequest,
-        DatabaseUnavailable,
-    ),
+    responses=HOLDER_PROBLEMS,
 )
 async def update(request: Request, lock_id: LockIdPath, token: LockToken, body: UpdateRequest) -> Response:
     """Replace the metadata of a lock you hold, to publish progress or an address; works on a
