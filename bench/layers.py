@@ -91,12 +91,13 @@ def _without_key_check(app: FastAPI) -> None:
     KeyRing.authenticate = fixed  # type: ignore[method-assign]
 
 
-def _without_deadline(app: FastAPI) -> None:
-    # The statement in the request's own task: no Task, shield or timeout around it.
-    async def directly(self: Database, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:
-        return await self._fetch_all(query, params)
+async def without_deadline(db: Database, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:
+    """Database.fetch_all with the statement in the caller's own task: no Task, shield or timeout."""
+    return await db._fetch_all(query, params)
 
-    Database.fetch_all = directly  # type: ignore[method-assign]
+
+def _without_deadline(app: FastAPI) -> None:
+    Database.fetch_all = without_deadline  # type: ignore[method-assign,assignment]
 
 
 def _without_serialization(app: FastAPI) -> None:

@@ -28,16 +28,13 @@ from psycopg.rows import DictRow
 
 from bench import log, said_and_stopped
 from bench.database import bench_database
+from bench.layers import without_deadline
 from helix_locks import logs
 from helix_locks.db import Database, create_pool
 from helix_locks.settings import Settings
 
 Fetch = Callable[[Database, LiteralString, dict[str, Any]], Awaitable[list[DictRow]]]
 FIELDS = {"method": "POST", "path": "/v1/locks", "status": 201, "duration_ms": 1.23, "outcome": "granted"}
-
-
-async def _bare(db: Database, query: LiteralString, params: dict[str, Any]) -> list[DictRow]:
-    return await db._fetch_all(query, params)
 
 
 async def statement_cpu_us(url: str, statements: int, rounds: int) -> list[dict[str, float]]:
@@ -57,7 +54,10 @@ async def statement_cpu_us(url: str, statements: int, rounds: int) -> list[dict[
         return (time.process_time() - started) / statements * 1e6
 
     try:
-        return [{"deadline": await cpu(Database.fetch_all), "bare": await cpu(_bare)} for _ in range(rounds)]
+        return [
+            {"deadline": await cpu(Database.fetch_all), "bare": await cpu(without_deadline)}
+            for _ in range(rounds)
+        ]
     finally:
         await db.close()
 
