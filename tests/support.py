@@ -358,3 +358,84 @@ async def in_process(app: FastAPI, **client: Any) -> AsyncIterator[httpx.AsyncCl
         client.setdefault("base_url", "http://localhost")
         async with httpx.AsyncClient(transport=transport, **client) as http:
             yield http
+
+
+@dataclass
+class Event:
+    """One Server-Sent Event as a watcher received it."""
+
+    id: str
+    type: str
+    data: dict[str, Any]
+    arrived: float  # time.time() when its blank line was read
+
+
+class Watch:
+    """GET /v1/events on a real server, read by a task into `events` as they arrive.
+
+    Entered, the stream is joined: the server sends its first keep-alive once every change that
+    commits from then on will reach it. `status` and `problem` tell a refusal."""
+
+    def __init__(
+        self, base_url: str, *, key: str | None = None, last_event_id: str | None = None, **params: str
+    ) -> None:
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if last_event_id is not None:
+            self.headers["Last-Event-ID"] = last_event_id
+        self.base_url, self.params = base_url, params
+        self.events: list[Event] = []
+        self.comments = 0
+        self.ended = asyncio.Event()
+        self.status = 0
+        self.problem: dict[str, Any] | None = None
+
+    async def __aenter__(self) -> Watch:
+        self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(10, read=60))
+        joined = asyncio.Event()
+        self._task = asyncio.create_task(self._read(joined))
+        done, _ = await asyncio.wait(
+            [self._task, asyncio.create_task(joined.wait())], timeout=20, return_when=asyncio.FIRST_COMPLETED
+        )
+        assert done, "the stream neither opened nor was refused within 20 s"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._task.cancel()
+        with suppress(asyncio.CancelledError):
+            await self._task
+        await self._client.aclose()
+
+    async def _read(self, joined: asyncio.Event) -> None:
+        try:
+            async with self._client.stream(
+                "GET", "/v1/events", params=self.params, headers=self.headers
+            ) as response:
+                self.status = response.status_code
+                if response.status_code != 200:
+                    self.problem = json.loads(await response.aread())
+                    return
+                fields: dict[str, str] = {}
+                async for line in response.aiter_lines():
+                    if line.startswith(":"):
+                        self.comments += 1
+                        joined.set()
+                    elif line:
+                        name, _, value = line.partition(":")
+                        fields[name] = value.removeprefix(" ")
+                    elif fields:
+                        data = json.loads(fields["data"])
+                        self.events.append(Event(fields["id"], fields["event"], data, time.time()))
+                        fields = {}
+        finally:
+            self.ended.set()
+
+    async def until(self, count: int, within: float = 10) -> list[Event]:
+        """The events, once there are at least `count` (AssertionError after `within` seconds)."""
+        deadline = time.monotonic() + within
+        while len(self.events) < count and not self.ended.is_set():
+            assert time.monotonic() < deadline, f"{len(self.events)} events, not {count}: {self.kinds()}"
+            await asyncio.sleep(0.02)
+        return self.events
+
+    def kinds(self) -> list[tuple[str, int]]:
+        return [(event.type, event.data["lock"]["id"]) for event in self.events]

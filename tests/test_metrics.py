@@ -128,14 +128,21 @@ async def test_every_route_is_counted_under_its_path(client: httpx.AsyncClient) 
     ]
     assert set(telemetry.OPERATIONS) <= set(routes)
     for method, path in sorted(routes, key=lambda route: route[0] == "DELETE"):  # the release last
+        # The event stream never ends by itself (and the in-process transport reads answers whole):
+        # it is asked to resume from an id it refuses, and counted by that answer.
+        stream = (method, path) == ("GET", "/v1/events")
         response = await client.request(
             method,
             path.replace("{lock_id}", str(lock["id"])),
-            headers={"Lock-Token": lock["token"]},
+            headers={"Lock-Token": lock["token"]} | ({"Last-Event-ID": "made-up"} if stream else {}),
             params={"organization_id": lock["organization_id"], "job_type": "routes"},
             json=BODIES.get((method, path), lock_body(job_type="other") if method == "POST" else None),
         )
-        assert response.status_code < 300, (method, path, response.text)
+        assert response.status_code == 422 if stream else response.status_code < 300, (
+            method,
+            path,
+            response.text,
+        )
         sent[method, path] += 1
     found = samples((await client.get("/metrics")).text)
     for (method, path), count in sent.items():

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, TypedDict
 from urllib.parse import SplitResult, urlsplit
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
@@ -20,6 +20,7 @@ from helix_locks import logs, migrate, problems
 from helix_locks.db import Database
 from helix_locks.errors import (
     DatabaseUnavailable,
+    EventsExpired,
     Forbidden,
     InvalidArgument,
     InvalidRequest,
@@ -27,14 +28,17 @@ from helix_locks.errors import (
     LockHeld,
     LockNotFound,
     OrganizationWaitersFull,
+    OrganizationWatchersFull,
     QuotaExceeded,
     SchemaNotReady,
     TokenMismatch,
     TooManyWaiters,
+    TooManyWatchers,
     Unauthenticated,
     UnsupportedMediaType,
     WaitInterrupted,
 )
+from helix_locks.events import EventHub
 from helix_locks.keys import ANONYMOUS, Caller, KeyRing
 from helix_locks.locks import Grant, Locks, State
 from helix_locks.outcome import Outcome, outcome
@@ -62,6 +66,7 @@ class Services:
     locks: Locks
     keys: KeyRing
     waiters: Waiters
+    events: EventHub
     metrics: Metrics
     db: Database
     anonymous_any_host: bool  # without keys, answer requests addressed to any host name
@@ -469,6 +474,67 @@ async def update(request: Request, lock_id: LockIdPath, token: LockToken, body: 
     answered.about(lock.organization_id, lock.job_type)
     answered.result = "updated"
     return json_body(LockBody.of(lock))
+
+
+EventId = Annotated[
+    str | None, Query(max_length=4096, description="Resume after this event id (as Last-Event-ID).")
+]
+
+
+@router.get(
+    "/events",
+    summary="Watch locks as they change (Server-Sent Events)",
+    operation_id="watchEvents",
+    openapi_extra=BEARER_REQUIRED,
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "description": "A text/event-stream: one event per change (acquired, renewed, updated,"
+            " released, forced, expired, reclaimed), each with an id to resume from, its type as the"
+            " event name, and data holding an EventBody (an AcquiredEventBody for acquired); a"
+            " `: keep-alive` comment whenever the stream is quiet.",
+            "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        },
+        **problems.responses(
+            Unauthenticated,
+            Forbidden,
+            InvalidRequest,
+            EventsExpired,
+            OrganizationWatchersFull,
+            TooManyWatchers,
+            DatabaseUnavailable,
+        ),
+    },
+)
+async def watch_events(
+    request: Request,
+    organization_id: Identifier | None = None,
+    job_type: Identifier | None = None,
+    last_event_id: EventId = None,
+    last_event_id_header: Annotated[
+        str | None,
+        Header(alias="Last-Event-ID", max_length=4096, description="Resume after this event id."),
+    ] = None,
+) -> StreamingResponse:
+    """Every change of the locks the key may see, as it commits; resume from an event id on any
+    replica. An organization key sees its own organization; an admin key every one."""
+    session = await authorized(request)
+    found = services(request)
+    if organization_id is not None:
+        outcome(request.scope).about(organization_id, job_type)
+    watcher = await found.events.watch(
+        session.caller,
+        request.headers.get("authorization"),
+        organization_id,
+        job_type,
+        last_event_id_header if last_event_id_header is not None else last_event_id,
+    )
+    outcome(request.scope).result = "watched"
+    return StreamingResponse(
+        found.events.stream(watcher),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 @asynccontextmanager

@@ -35,6 +35,7 @@ from helix_locks.errors import (
     LockError,
     UnsupportedMediaType,
 )
+from helix_locks.events import EventHub
 from helix_locks.keys import KeyRing
 from helix_locks.listener import Listener
 from helix_locks.locks import LiveLockQuota, Locks
@@ -152,10 +153,10 @@ def _pattern(template: str) -> str:
     return "".join("[^/]+" if part.startswith("{") else re.escape(part) for part in parts)
 
 
-def _answer_waiters_on_stop(waiters: Waiters) -> Callable[[], None]:
-    """Chain SIGTERM/SIGINT so that waiting acquires answer at once when the server is told to
-    stop: uvicorn reaches the lifespan's shutdown only after every request has finished, and a
-    waiting request would otherwise hold the stop for its whole wait. Returns the undo."""
+def _answer_on_stop(*stops: Callable[[], None]) -> Callable[[], None]:
+    """Chain SIGTERM/SIGINT so that waiting acquires answer, and event streams end, at once when
+    the server is told to stop: uvicorn reaches the lifespan's shutdown only after every request
+    has finished, and a waiting request or a stream would otherwise hold the stop. Returns the undo."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     loop = asyncio.get_running_loop()
@@ -164,7 +165,8 @@ def _answer_waiters_on_stop(waiters: Waiters) -> Callable[[], None]:
     }
 
     def stopping(signum: int, frame: FrameType | None) -> None:
-        loop.call_soon_threadsafe(waiters.close)
+        for stop in stops:
+            loop.call_soon_threadsafe(stop)
         chained = previous[signum]
         if callable(chained):
             chained(signum, frame)
@@ -230,11 +232,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             stack.callback(telemetry.forget_this_worker)
             sampler = asyncio.create_task(metrics.sample_pool_every(pool), name="helix-locks-pool-metrics")
             stack.push_async_callback(_cancelled, sampler)
-            stack.callback(_answer_waiters_on_stop(waiters))
+            events = EventHub(
+                db,
+                keys,
+                poll_seconds=settings.events_poll_ms / 1000,
+                max_watchers=settings.max_watchers,
+                max_per_organization=settings.max_watchers_per_organization,
+                replay_limit=settings.events_replay_limit,
+                backlog=settings.events_backlog,
+                keep=timedelta(days=settings.retention_days) if settings.retention_days > 0 else None,
+                keepalive_seconds=settings.events_keepalive_seconds,
+            )
+            stack.callback(events.close)
+            stack.callback(_answer_on_stop(waiters.close, events.close))
             services = api.Services(
                 locks=Locks(db, LiveLockQuota(db, settings.max_live_locks_per_organization)),
                 keys=keys,
                 waiters=waiters,
+                events=events,
                 metrics=metrics,
                 db=db,
                 anonymous_any_host=settings.anonymous_any_host,

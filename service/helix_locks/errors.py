@@ -115,6 +115,27 @@ class OrganizationWaitersFull(LockError):
 
 
 @dataclass
+class TooManyWatchers(LockError):
+    """This process already streams as many event watchers as it allows."""
+
+    limit: int
+
+
+@dataclass
+class OrganizationWatchersFull(LockError):
+    """This process already streams as many of the organization's watchers as one may have."""
+
+    limit: int
+
+
+@dataclass
+class EventsExpired(LockError):
+    """A resume from an event the stream can no longer replay from."""
+
+    reason: str
+
+
+@dataclass
 class QuotaExceeded(LockError):
     """The organization already has as many live locks as it may have."""
 

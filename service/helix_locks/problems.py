@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from helix_locks.errors import (
     BodyTooLarge,
     DatabaseUnavailable,
+    EventsExpired,
     Forbidden,
     InternalError,
     InvalidRequest,
@@ -28,11 +29,13 @@ from helix_locks.errors import (
     LockHeld,
     LockNotFound,
     OrganizationWaitersFull,
+    OrganizationWatchersFull,
     QuotaExceeded,
     SchemaNotReady,
     ShuttingDown,
     TokenMismatch,
     TooManyWaiters,
+    TooManyWatchers,
     Unauthenticated,
     UnsupportedMediaType,
     WaitInterrupted,
@@ -214,6 +217,32 @@ KINDS: Mapping[type[LockError], Kind] = {
         ),
         headers=_SOON,
     ),
+    OrganizationWatchersFull: Kind(
+        429,
+        "too-many-watchers-in-organization",
+        "Too many watchers in this organization",
+        "This organization already has as many event streams open in this service process as one may"
+        " have (HELIX_LOCKS_MAX_WATCHERS_PER_ORGANIZATION); try again after Retry-After.",
+        OrganizationWatchersFull(100),
+        lambda exc: (
+            f"This organization already has {exc.limit} event streams open in this service process;"
+            " try again."
+        ),
+        headers=_SOON,
+    ),
+    EventsExpired: Kind(
+        410,
+        "events-expired",
+        "Events expired",
+        "Last-Event-ID names a point the stream can no longer replay from: older than what the"
+        " database keeps (HELIX_LOCKS_RETENTION_DAYS), or followed by more events than one replay"
+        " sends (HELIX_LOCKS_EVENTS_REPLAY_LIMIT). Read the current state (GET /v1/locks) and watch"
+        " again without it.",
+        EventsExpired("older than what the database keeps"),
+        lambda exc: (
+            f"The stream cannot resume from that event: {exc.reason}. Watch again without Last-Event-ID."
+        ),
+    ),
     QuotaExceeded: Kind(
         429,
         "quota-exceeded",
@@ -253,6 +282,16 @@ KINDS: Mapping[type[LockError], Kind] = {
         " (HELIX_LOCKS_MAX_WAITERS); try again after Retry-After.",
         TooManyWaiters(10_000),
         lambda exc: f"This service process already has {exc.limit} acquires waiting; try again.",
+        headers=_SOON,
+    ),
+    TooManyWatchers: Kind(
+        503,
+        "too-many-watchers",
+        "Too many watchers",
+        "This service process already streams events to as many watchers as it allows"
+        " (HELIX_LOCKS_MAX_WATCHERS); try again after Retry-After, perhaps on another replica.",
+        TooManyWatchers(10_000),
+        lambda exc: f"This service process already streams events to {exc.limit} watchers; try again.",
         headers=_SOON,
     ),
     WaitInterrupted: Kind(

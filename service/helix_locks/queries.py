@@ -303,3 +303,28 @@ APPLIED_MIGRATIONS = "SELECT name, checksum FROM helix_schema_migrations"
 RECORD_MIGRATION = """
 INSERT INTO helix_schema_migrations (name, checksum) VALUES (%(name)s, %(checksum)s)
 """
+
+# GET /v1/events (migration 0016): where the event reader starts, the database's snapshot and time.
+EVENTS_START = "SELECT pg_current_snapshot()::text AS snapshot, clock_timestamp() AS until_at"
+
+# One window of events for each start point: the reader's own, and any resume's. One statement,
+# so one snapshot closes them all; a start point with no events still gives a row (n, nulls).
+EVENTS = """
+SELECT now.snapshot::text AS snapshot, now.until_at, a.n,
+       e.event, e.at, e.rank, e.seen, e.id, e.organization_id, e.job_type, e.holder,
+       e.fencing_token, e.acquired_at, e.expires_at, e.released_at, e.release_reason, e.state,
+       e.ttl_remaining_ms, e.metadata, e.reclaimed_lock_id, e.reclaimed_holder, e.reclaimed_expired_at
+FROM (SELECT pg_current_snapshot() AS snapshot, clock_timestamp() AS until_at) AS now
+CROSS JOIN unnest(
+    %(after)s::text[], %(after_at)s::timestamptz[], %(organization_id)s::text[],
+    %(job_type)s::text[], %(seen)s::text[], %(seen_at)s::timestamptz[], %(limit)s::integer[]
+) WITH ORDINALITY AS a (after, after_at, organization_id, job_type, seen, seen_at, lim, n)
+LEFT JOIN LATERAL (
+    SELECT * FROM helix_lock_events(
+        a.after::pg_snapshot, a.after_at, now.until_at, a.organization_id, a.job_type,
+        a.seen::pg_snapshot, a.seen_at
+    )
+    LIMIT a.lim
+) AS e ON true
+ORDER BY a.n, e.id, e.at, e.rank
+"""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
@@ -263,6 +263,25 @@ class GrantBody(LockBody):
     def of_grant(cls, grant: Grant) -> GrantBody:
         fields = {**vars(grant.lock), "token": grant.token, "reclaimed": grant.reclaimed}
         return cls.model_validate(fields, from_attributes=True)
+
+
+EventType = Literal["acquired", "renewed", "updated", "released", "forced", "expired", "reclaimed"]
+
+
+class EventBody(BaseModel):
+    """One change of a lock, as GET /v1/events sends it in an event's data."""
+
+    type: EventType = Field(description="What happened; also the event's name.")
+    at: datetime = Field(description="When it happened, by the database's clock.")
+    lock: LockBody = Field(description="The lock (never its token), as it is when the event is read.")
+
+
+class AcquiredEventBody(EventBody):
+    """An acquired event: the grant, and the stale lock it took over if any."""
+
+    reclaimed: ReclaimedBody | None = Field(
+        description="The stale lock this grant took over, or null when there was none."
+    )
 
 
 class RenewalBody(LockBody):

@@ -45,6 +45,19 @@ class Settings(BaseSettings):
     max_waiters: int = Field(default=10_000, ge=0)
     # Of those, one organization's at most; beyond it, 429 for that organization alone.
     max_waiters_per_organization: int = Field(default=1_000, ge=0)
+    # GET /v1/events: one reader per process asks the database this often what changed, while
+    # anyone watches (nothing at all while nobody does).
+    events_poll_ms: int = Field(default=50, ge=10, le=5000)
+    # A comment line this often keeps proxies from cutting a quiet stream.
+    events_keepalive_seconds: float = Field(default=15.0, gt=0, le=15.0)
+    # Event streams open at once in one process, and of those one organization's at most.
+    max_watchers: int = Field(default=10_000, ge=0)
+    max_watchers_per_organization: int = Field(default=1_000, ge=0)
+    # A resume (Last-Event-ID) replays at most this many events; more are refused with 410.
+    events_replay_limit: int = Field(default=100_000, ge=1)
+    # Events a watcher has not yet taken; a watcher that falls further behind is disconnected,
+    # and resumes with Last-Event-ID.
+    events_backlog: int = Field(default=10_000, ge=1)
     # Live locks (held, or lapsed and not yet reclaimed) of one organization; beyond it, 429
     # (locks.py, LiveLockQuota: counted far from it, exact near it).
     max_live_locks_per_organization: int = Field(default=10_000, ge=1)

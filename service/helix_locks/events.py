@@ -1,0 +1,378 @@
+"""GET /v1/events: one reader per process turns the database's windows of changes into events
+for every watcher (migration 0016 says why none is lost, repeated or reordered)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import re
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from psycopg.rows import DictRow
+
+from helix_locks import queries
+from helix_locks.db import Database
+from helix_locks.errors import (
+    EventsExpired,
+    InternalError,
+    InvalidArgument,
+    LockError,
+    OrganizationWatchersFull,
+    ShuttingDown,
+    TooManyWatchers,
+    Unauthenticated,
+)
+from helix_locks.keys import Caller, KeyRing
+from helix_locks.locks import Lock, Reclaimed, utc
+from helix_locks.schemas import AcquiredEventBody, EventBody, LockBody, ReclaimedBody
+
+logger = logging.getLogger(__name__)
+
+# xmin:xmax:xip,... as PostgreSQL writes a pg_snapshot.
+_SNAPSHOT = re.compile(r"([0-9]{1,20}):([0-9]{1,20}):((?:[0-9]{1,20}(?:,[0-9]{1,20})*)?)")
+KEEP_ALIVE = b": keep-alive\n\n"
+# How often the reader checks that each watcher's API key still works.
+_KEY_CHECK_SECONDS = 1.0
+
+
+def _xmax(snapshot: str) -> int:
+    found = _SNAPSHOT.fullmatch(snapshot)
+    assert found is not None
+    return int(found.group(2))
+
+
+@dataclass(frozen=True)
+class Position:
+    """What an event id says: the window (after, until] it was read in, the window's times, and
+    the event's place in it (lock id, time, kind)."""
+
+    after: str
+    after_at: datetime
+    until: str
+    until_at: datetime
+    place: tuple[int, datetime, int]
+
+    def encode(self) -> str:
+        lock_id, at, rank = self.place
+        raw: list[str | int] = [self.after, self.after_at.isoformat(), self.until, self.until_at.isoformat()]
+        raw += [lock_id, at.isoformat(), rank]
+        return base64.urlsafe_b64encode(json.dumps(raw, separators=(",", ":")).encode()).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, text: str) -> Position:
+        """The position an event id names; InvalidArgument unless this service made it."""
+        try:
+            raw = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
+            after, after_at, until, until_at, lock_id, at, rank = raw
+            snapshots = [_SNAPSHOT.fullmatch(after), _SNAPSHOT.fullmatch(until)]
+            if not all(snapshots) or not isinstance(lock_id, int) or not isinstance(rank, int):
+                raise ValueError("not an event id")
+            if not (0 < lock_id < 2**63 and 0 <= rank <= 3) or _xmax(after) > _xmax(until):
+                raise ValueError("not an event id")
+            times = [datetime.fromisoformat(value) for value in (after_at, until_at, at)]
+            if any(moment.tzinfo is None for moment in times):
+                raise ValueError("time without a time zone")
+            return cls(after, times[0], until, times[1], (lock_id, times[2], rank))
+        except (ValueError, TypeError, binascii.Error, RecursionError, OverflowError) as exc:
+            raise InvalidArgument("Last-Event-ID", "not an event id of this service") from exc
+
+
+@dataclass
+class Watcher:
+    """One open stream: what it may see, and the events it has yet to send (None ends it)."""
+
+    caller: Caller
+    authorization: str | None
+    organization_id: str | None  # None: every organization (an admin key)
+    job_type: str | None
+    resume: Position | None
+    # Each read's events for this watcher; the events themselves are shared by every watcher.
+    queue: asyncio.Queue[list[Event] | None] = field(default_factory=asyncio.Queue)
+    joined: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    backlog: int = 0  # events queued and not yet taken
+    ended: bool = False
+
+    def sees(self, event: Event) -> bool:
+        return (self.organization_id is None or event.organization_id == self.organization_id) and (
+            self.job_type is None or event.job_type == self.job_type
+        )
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.queue.put_nowait(None)
+
+    async def next(self) -> bytes | None:
+        """The next chunk of the stream, None at its end."""
+        events = await self.queue.get()
+        if events is None:
+            return None
+        self.backlog -= len(events)
+        return b"".join(event.wire for event in events)
+
+
+@dataclass(frozen=True)
+class Event:
+    organization_id: str
+    job_type: str
+    wire: bytes  # id, event and data lines, and the blank line
+
+
+def _event(row: DictRow, window: tuple[str, datetime, str, datetime]) -> Event:
+    lock = Lock.from_row(row)
+    kind, at = row["event"], utc(row["at"])
+    position = Position(*window, (lock.id, at, row["rank"]))
+    body: EventBody
+    if kind == "acquired":
+        reclaimed = None
+        if row["reclaimed_lock_id"] is not None:
+            stale = Reclaimed(
+                row["reclaimed_lock_id"], row["reclaimed_holder"], utc(row["reclaimed_expired_at"])
+            )
+            reclaimed = ReclaimedBody.model_validate(stale, from_attributes=True)
+        body = AcquiredEventBody(type=kind, at=at, lock=LockBody.of(lock), reclaimed=reclaimed)
+    else:
+        body = EventBody(type=kind, at=at, lock=LockBody.of(lock))
+    wire = f"id: {position.encode()}\nevent: {kind}\ndata: {body.model_dump_json()}\n\n".encode()
+    return Event(lock.organization_id, lock.job_type, wire)
+
+
+class EventHub:
+    """This process's event reader and its watchers. The reader runs only while someone watches,
+    and costs one statement per poll whatever their number."""
+
+    def __init__(
+        self,
+        db: Database,
+        keys: KeyRing,
+        *,
+        poll_seconds: float,
+        max_watchers: int,
+        max_per_organization: int,
+        replay_limit: int,
+        backlog: int,
+        keep: timedelta | None,
+        keepalive_seconds: float,
+    ) -> None:
+        self.db = db
+        self.keys = keys
+        self.poll_seconds = poll_seconds
+        self.max_watchers = max_watchers
+        self.max_per_organization = max_per_organization
+        self.replay_limit = replay_limit
+        self.backlog = backlog
+        self.keep = keep
+        self.keepalive_seconds = keepalive_seconds
+        self._watchers: list[Watcher] = []
+        self._per_organization: Counter[str | None] = Counter()
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def watching(self) -> int:
+        return len(self._watchers)
+
+    async def watch(
+        self,
+        caller: Caller,
+        authorization: str | None,
+        organization_id: str | None,
+        job_type: str | None,
+        last_event_id: str | None,
+    ) -> Watcher:
+        """A watcher, joined: every change that commits from now on (or after last_event_id) will
+        reach it. Raises the limits' errors, EventsExpired, or InvalidArgument for a bad id."""
+        if organization_id is not None:
+            caller.may_act_in(organization_id)
+        scope = organization_id if organization_id is not None else caller.scope
+        resume = None if last_event_id is None else Position.decode(last_event_id)
+        # Retention deletes what ended before now - keep: a window that opened before then may
+        # have lost events. A minute's margin for the clocks of other machines.
+        horizon = None if self.keep is None else datetime.now(UTC) - self.keep + timedelta(minutes=1)
+        if resume is not None and horizon is not None and resume.after_at < horizon:
+            raise EventsExpired("it is older than what the database keeps")
+        if self._closed:
+            raise ShuttingDown()
+        if len(self._watchers) >= self.max_watchers:
+            raise TooManyWatchers(self.max_watchers)
+        if self._per_organization[caller.organization_id] >= self.max_per_organization:
+            raise OrganizationWatchersFull(self.max_per_organization)
+        watcher = Watcher(caller, authorization, scope, job_type, resume)
+        self._watchers.append(watcher)
+        self._per_organization[caller.organization_id] += 1
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.create_task(self._read(), name="helix-locks-events")
+        try:
+            await watcher.joined
+        except BaseException:
+            self.leave(watcher)
+            raise
+        return watcher
+
+    async def stream(self, watcher: Watcher) -> AsyncIterator[bytes]:
+        """The watcher's stream: its events as they come, a comment whenever it is quiet."""
+        try:
+            yield KEEP_ALIVE  # joined: the client may count on every change from here on
+            while True:
+                try:
+                    async with asyncio.timeout(self.keepalive_seconds):
+                        chunk = await watcher.next()
+                except TimeoutError:
+                    yield KEEP_ALIVE
+                    continue
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            self.leave(watcher)
+
+    def leave(self, watcher: Watcher) -> None:
+        if watcher in self._watchers:
+            self._watchers.remove(watcher)
+            self._per_organization[watcher.caller.organization_id] -= 1
+        watcher.end()
+
+    def close(self) -> None:
+        """End every stream (the service is stopping) and the reader."""
+        self._closed = True
+        for watcher in list(self._watchers):
+            if not watcher.joined.done():
+                watcher.joined.set_exception(ShuttingDown())
+            self.leave(watcher)
+        if self._reader is not None:
+            self._reader.cancel()
+
+    async def _read(self) -> None:
+        try:
+            await self._read_windows()
+        except Exception:  # a bug: end every stream (each resumes) rather than leave them silent
+            logger.exception("event reader failed")
+            for watcher in list(self._watchers):
+                if not watcher.joined.done():
+                    watcher.joined.set_exception(InternalError())
+                self.leave(watcher)
+
+    async def _read_windows(self) -> None:
+        """Read window after window while anyone watches; a failed read is tried again, and the
+        watchers wait meanwhile (their keep-alives go on)."""
+        window: tuple[str, datetime] | None = None
+        checked = asyncio.get_running_loop().time()
+        failures = 0
+        while self._watchers:
+            try:
+                if window is None:
+                    row = await self.db.fetch_first(queries.EVENTS_START, {})
+                    window = (row["snapshot"], row["until_at"])
+                    self._join_fresh()
+                else:
+                    window = await self._next(window)
+                failures = 0
+            except LockError as exc:  # the database is away, or slow: try again
+                failures += 1
+                for watcher in [w for w in self._watchers if not w.joined.done()]:
+                    watcher.joined.set_exception(exc)
+                    self.leave(watcher)
+                if failures == 1:
+                    logger.warning("event reader could not read: %s", type(exc).__name__)
+                await asyncio.sleep(min(5.0, self.poll_seconds * 2**failures))
+                continue
+            now = asyncio.get_running_loop().time()
+            if now - checked >= _KEY_CHECK_SECONDS:
+                checked = now
+                await self._end_revoked()
+            await asyncio.sleep(self.poll_seconds)
+
+    def _join_fresh(self) -> None:
+        for watcher in self._watchers:
+            if watcher.resume is None and not watcher.joined.done():
+                watcher.joined.set_result(None)
+
+    async def _next(self, window: tuple[str, datetime]) -> tuple[str, datetime]:
+        """Read the next window, send its events, and answer the resumes waiting; the new window."""
+        resuming = [w for w in self._watchers if w.resume is not None and not w.joined.done()]
+        starts: list[tuple[Any, ...]] = [(window[0], window[1], None, None, None, None, None)]
+        for watcher in resuming:
+            assert watcher.resume is not None
+            resume = watcher.resume
+            starts.append(
+                (
+                    resume.after,
+                    resume.after_at,
+                    watcher.organization_id,
+                    watcher.job_type,
+                    resume.until,
+                    resume.until_at,
+                    self.replay_limit + 1,
+                )
+            )
+        columns = ("after", "after_at", "organization_id", "job_type", "seen", "seen_at", "limit")
+        params = {name: list(values) for name, values in zip(columns, zip(*starts, strict=True), strict=True)}
+        rows = await self.db.fetch_all(queries.EVENTS, params)
+        until, until_at = rows[0]["snapshot"], rows[0]["until_at"]
+        by_start: dict[int, list[DictRow]] = {}
+        for row in rows:
+            by_start.setdefault(row["n"], []).append(row)
+        read = (window[0], window[1], until, until_at)
+        live = [_event(row, read) for row in by_start[1] if row["event"] is not None]
+        for watcher in list(self._watchers):
+            if watcher.joined.done():
+                self._send(watcher, [event for event in live if watcher.sees(event)])
+        for n, watcher in enumerate(resuming, start=2):
+            self._answer_resume(watcher, by_start.get(n, []), until, until_at)
+        self._join_fresh()
+        return until, until_at
+
+    def _answer_resume(self, watcher: Watcher, rows: list[DictRow], until: str, until_at: datetime) -> None:
+        resume = watcher.resume
+        assert resume is not None
+        found = [row for row in rows if row["event"] is not None]
+        if _xmax(resume.until) > _xmax(until):
+            watcher.joined.set_exception(InvalidArgument("Last-Event-ID", "not an event id of this service"))
+        elif len(found) > self.replay_limit:
+            too_many = f"more than {self.replay_limit} events followed it (HELIX_LOCKS_EVENTS_REPLAY_LIMIT)"
+            watcher.joined.set_exception(EventsExpired(too_many))
+        else:
+            # Leave out what the stream had sent: the events of the window the id was read in,
+            # up to the id's own.
+            window = (resume.after, resume.after_at, until, until_at)
+            events = [
+                _event(row, window)
+                for row in found
+                if not (row["seen"] and (row["id"], utc(row["at"]), row["rank"]) <= resume.place)
+            ]
+            watcher.joined.set_result(None)
+            self._send(watcher, events)
+            return
+        self.leave(watcher)
+
+    def _send(self, watcher: Watcher, events: list[Event]) -> None:
+        if not events or watcher.ended:
+            return
+        if watcher.backlog + len(events) > self.backlog:
+            # It does not read: end its stream rather than keep its events; it resumes from
+            # the last event it took.
+            self.leave(watcher)
+            return
+        watcher.backlog += len(events)
+        watcher.queue.put_nowait(events)
+
+    async def _end_revoked(self) -> None:
+        verdicts: dict[str | None, bool] = {}
+        for watcher in list(self._watchers):
+            if watcher.authorization not in verdicts:
+                try:
+                    await self.keys.authenticate(watcher.authorization)
+                    verdicts[watcher.authorization] = True
+                except Unauthenticated:
+                    verdicts[watcher.authorization] = False
+                except LockError:  # the database is away: decide on a later round
+                    verdicts[watcher.authorization] = True
+            if not verdicts[watcher.authorization]:
+                self.leave(watcher)

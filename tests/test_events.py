@@ -1,0 +1,303 @@
+"""GET /v1/events on real servers: every event type from real operations, resuming on another
+replica, tenancy, revocation, the limits, and no reader while nobody watches."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from helix_locks import keys
+from helix_locks.db import Database, create_pool
+from helix_locks.events import EventHub
+from helix_locks.keys import ANONYMOUS, KeyRing
+from tests.support import ROUTE, Event, Watch, running_service
+
+pytestmark = pytest.mark.anyio
+FAST = {"HELIX_LOCKS_EVENTS_POLL_MS": "20", "HELIX_LOCKS_EVENTS_KEEPALIVE_SECONDS": "1"}
+
+
+@contextmanager
+def replicas(db_url: str, tmp_path: Path, count: int = 1, **env: str) -> Iterator[list[str]]:
+    with ExitStack() as stack:
+        yield [
+            stack.enter_context(
+                running_service(env=ROUTE.env(db_url, **{**FAST, **env}), log=tmp_path / f"s{n}.log")
+            )[0]
+            for n in range(count)
+        ]
+
+
+def auth(key: str | None, token: str | None = None) -> dict[str, str]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return headers | ({"Lock-Token": token} if token else {})
+
+
+async def acquire(
+    http: httpx.AsyncClient, key: str | None = None, org: str = "acme", job: str = "report", ttl: float = 30
+) -> dict[str, Any]:
+    body = {"organization_id": org, "job_type": job, "holder": "w", "ttl_seconds": ttl}
+    response = await http.post("/v1/locks", json=body, headers=auth(key))
+    assert response.status_code == 201, response.text
+    granted: dict[str, Any] = response.json()
+    return granted
+
+
+async def release(http: httpx.AsyncClient, lock: dict[str, Any], key: str | None = None) -> None:
+    response = await http.delete(f"/v1/locks/{lock['id']}", headers=auth(key, lock["token"]))
+    assert response.status_code == 204, response.text
+
+
+def per_key(events: list[Event]) -> dict[tuple[str, str], list[tuple[str, int]]]:
+    keyed: dict[tuple[str, str], list[tuple[str, int]]] = {}
+    for event in events:
+        lock = event.data["lock"]
+        keyed.setdefault((lock["organization_id"], lock["job_type"]), []).append((event.type, lock["id"]))
+    return keyed
+
+
+def moment(text: str) -> datetime:
+    return datetime.fromisoformat(text)
+
+
+async def test_every_event_type_comes_from_real_operations(db_url: str, tmp_path: Path) -> None:
+    admin = keys.create(db_url, None)
+    with replicas(db_url, tmp_path) as [url]:
+        async with httpx.AsyncClient(base_url=url) as http, Watch(url, key=admin) as watch:
+            first = await acquire(http, admin, ttl=1)
+            renewed = await http.post(
+                f"/v1/locks/{first['id']}/renew", json={"ttl_seconds": 1}, headers=auth(admin, first["token"])
+            )
+            assert renewed.status_code == 200
+            patched = await http.patch(
+                f"/v1/locks/{first['id']}",
+                json={"metadata": {"step": 2}},
+                headers=auth(admin, first["token"]),
+            )
+            assert patched.status_code == 200
+            # Nobody renews it again: it runs out with no request at that moment.
+            events = await watch.until(4, within=5)
+            expired = events[3]
+            assert expired.type == "expired"
+            assert expired.data["at"] == renewed.json()["expires_at"] == expired.data["lock"]["expires_at"]
+            late = expired.arrived - moment(renewed.json()["expires_at"]).timestamp()
+            assert 0 <= late < 1.0, f"expired came {late:.3f} s after the lease ran out"
+
+            second = await acquire(http, admin)  # reclaims the first
+            forced = await http.delete(f"/v1/locks/{second['id']}?force=true", headers=auth(admin))
+            assert forced.status_code == 204
+            third = await acquire(http, admin, job="other")
+            await release(http, third, admin)
+            await watch.until(9)
+
+    assert watch.kinds() == [
+        ("acquired", first["id"]),
+        ("renewed", first["id"]),
+        ("updated", first["id"]),
+        ("expired", first["id"]),
+        ("reclaimed", first["id"]),
+        ("acquired", second["id"]),
+        ("forced", second["id"]),
+        ("acquired", third["id"]),
+        ("released", third["id"]),
+    ]
+    by_kind = {event.type: event.data for event in watch.events}
+    assert by_kind["updated"]["lock"]["metadata"] == {"step": 2}
+    assert watch.events[5].data["reclaimed"] == {
+        "lock_id": first["id"],
+        "holder": "w",
+        "expired_at": renewed.json()["expires_at"],
+    }
+    assert watch.events[0].data["reclaimed"] is None
+    assert "reclaimed" not in by_kind["released"]
+    assert all("token" not in event.data["lock"] for event in watch.events)
+    assert by_kind["forced"]["at"] == by_kind["forced"]["lock"]["released_at"]
+    assert len({event.id for event in watch.events}) == 9
+
+
+async def test_a_watcher_resumes_on_another_replica_missing_and_repeating_nothing(
+    db_url: str, tmp_path: Path
+) -> None:
+    with replicas(db_url, tmp_path, count=2) as [one, two]:
+        async with httpx.AsyncClient(base_url=one) as http, Watch(one) as whole:
+            async with Watch(one) as cut:
+                locks = [await acquire(http, job=f"job-{n}") for n in range(3)]
+                await cut.until(3)
+            # The connection is gone; changes go on meanwhile.
+            for lock in locks:
+                await release(http, lock)
+            more = await acquire(http, job="job-9")
+            await whole.until(7)
+            for n in range(3):  # resume from each of the events the cut watcher had
+                async with Watch(two, last_event_id=cut.events[n].id) as resumed:
+                    await resumed.until(7 - n - 1)
+                    await asyncio.sleep(0.3)  # nothing more comes
+                    # Each key's events in commit order; keys may interleave differently.
+                    assert per_key(resumed.events) == per_key(whole.events[n + 1 :])
+    assert whole.kinds()[-1] == ("acquired", more["id"])
+
+
+async def test_an_event_id_from_before_retention_is_410_and_a_made_up_one_is_422(
+    db_url: str, tmp_path: Path
+) -> None:
+    with replicas(db_url, tmp_path) as [url]:
+        async with httpx.AsyncClient(base_url=url) as http, Watch(url) as watch:
+            await acquire(http)
+            [event] = await watch.until(1)
+        raw = json.loads(base64.urlsafe_b64decode(event.id + "=" * (-len(event.id) % 4)))
+        raw[1] = "2020-01-01T00:00:00+00:00"  # the window it was read in opened long ago
+        old = base64.urlsafe_b64encode(json.dumps(raw).encode()).decode()
+        async with Watch(url, last_event_id=old) as refused:
+            assert refused.status == 410
+            assert refused.problem is not None
+            assert refused.problem["type"] == "urn:helix-locks:problem:events-expired"
+        for made_up in ("garbage", base64.urlsafe_b64encode(b'["1:1:",1]').decode(), "x" * 5000):
+            async with Watch(url, last_event_id=made_up) as invalid:
+                assert invalid.status in (422, 431), invalid.problem
+        async with Watch(url, last_event_id_query="nope") as invalid:
+            assert invalid.status == 200  # an unknown query parameter is ignored, as elsewhere
+        async with httpx.AsyncClient(base_url=url) as http:
+            response = await http.get("/v1/events", params={"last_event_id": "garbage"})
+            assert response.status_code == 422
+            assert response.json()["errors"][0]["field"] == "Last-Event-ID"
+
+
+async def test_a_replay_longer_than_its_limit_is_410(db_url: str, tmp_path: Path) -> None:
+    with replicas(db_url, tmp_path, HELIX_LOCKS_EVENTS_REPLAY_LIMIT="3") as [url]:
+        async with httpx.AsyncClient(base_url=url) as http, Watch(url) as watch:
+            first = await acquire(http)
+            [event] = await watch.until(1)
+            await release(http, first)
+            async with Watch(url, last_event_id=event.id) as short:
+                assert short.status == 200
+                await short.until(1)
+                assert short.kinds() == [("released", first["id"])]
+            for n in range(2):
+                await release(http, await acquire(http, job=f"more-{n}"))
+            async with Watch(url, last_event_id=event.id) as long:
+                assert long.status == 410
+                assert long.problem is not None and "REPLAY_LIMIT" in long.problem["detail"]
+
+
+async def test_an_organization_key_sees_only_its_organization(db_url: str, tmp_path: Path) -> None:
+    acme, globex, admin = (
+        keys.create(db_url, "acme"),
+        keys.create(db_url, "globex"),
+        keys.create(db_url, None),
+    )
+    with replicas(db_url, tmp_path) as [url]:
+        async with (
+            httpx.AsyncClient(base_url=url) as http,
+            Watch(url, key=acme) as mine,
+            Watch(url, key=acme, job_type="report") as one_job,
+            Watch(url, key=admin) as everything,
+            Watch(url, key=admin, organization_id="globex") as theirs,
+        ):
+            async with Watch(url, key=acme, organization_id="globex") as trespass:
+                assert trespass.status == 403
+            async with Watch(url) as nobody:
+                assert nobody.status == 401
+            ours = await acquire(http, acme)
+            other_job = await acquire(http, acme, job="other")
+            foreign = await acquire(http, globex, org="globex")
+            await everything.until(3)
+            await asyncio.sleep(0.3)
+        assert mine.kinds() == [("acquired", ours["id"]), ("acquired", other_job["id"])]
+        assert one_job.kinds() == [("acquired", ours["id"])]
+        assert theirs.kinds() == [("acquired", foreign["id"])]
+        assert sorted(everything.kinds()) == sorted(mine.kinds() + theirs.kinds())
+
+
+async def test_a_stream_ends_when_its_key_is_revoked(db_url: str, tmp_path: Path) -> None:
+    acme = keys.create(db_url, "acme")
+    other = keys.create(db_url, "acme")
+    with replicas(db_url, tmp_path) as [url]:
+        async with Watch(url, key=acme) as revoked, Watch(url, key=other) as kept:
+            assert keys.revoke(db_url, keys.key_id(acme) or "")
+            started = time.monotonic()
+            await asyncio.wait_for(revoked.ended.wait(), timeout=10)
+            assert time.monotonic() - started < 5
+            await asyncio.sleep(1.5)
+            assert not kept.ended.is_set()
+            async with Watch(url, key=acme) as again:
+                assert again.status == 401
+
+
+async def test_an_organization_past_its_watcher_limit_gets_429_and_another_is_unaffected(
+    db_url: str, tmp_path: Path
+) -> None:
+    acme, globex = keys.create(db_url, "acme"), keys.create(db_url, "globex")
+    with replicas(db_url, tmp_path, HELIX_LOCKS_MAX_WATCHERS_PER_ORGANIZATION="2") as [url]:
+        async with Watch(url, key=acme) as first, Watch(url, key=acme) as second:
+            assert first.status == second.status == 200
+            async with Watch(url, key=acme) as third:
+                assert third.status == 429
+                assert third.problem is not None
+                assert third.problem["type"] == "urn:helix-locks:problem:too-many-watchers-in-organization"
+            async with Watch(url, key=globex) as theirs:
+                assert theirs.status == 200
+        async with Watch(url, key=acme) as later:  # the first two left: room again
+            assert later.status == 200
+
+
+async def test_a_quiet_stream_gets_keep_alive_comments(db_url: str, tmp_path: Path) -> None:
+    with replicas(db_url, tmp_path) as [url]:
+        async with Watch(url) as watch:
+            await asyncio.sleep(2.5)
+        assert watch.comments >= 3  # one on joining, then one a second
+        assert watch.events == []
+
+
+async def test_nobody_watching_costs_no_reader_and_no_statement(db_url: str) -> None:
+    """The reader runs only while someone watches: before the first watcher and after the last
+    one left, the process sends the database nothing for events."""
+    settings = ROUTE.settings(db_url, allow_anonymous=True)
+    pool = create_pool(settings)
+    await pool.open()
+    db = Database(pool, settings)
+    sent: list[str] = []
+    fetch_all = db.fetch_all
+
+    async def counted(query: Any, params: Any) -> Any:
+        sent.append(query)
+        return await fetch_all(query, params)
+
+    db.fetch_all = counted  # type: ignore[method-assign]
+    hub = EventHub(
+        db,
+        KeyRing(db, allow_anonymous=True),
+        poll_seconds=0.02,
+        max_watchers=10,
+        max_per_organization=10,
+        replay_limit=10,
+        backlog=10,
+        keep=None,
+        keepalive_seconds=1,
+    )
+    try:
+        await asyncio.sleep(0.3)
+        assert sent == []
+        watcher = await hub.watch(ANONYMOUS, None, None, None, None)
+        await asyncio.sleep(0.3)
+        assert len(sent) >= 5, "one reader polls while someone watches"
+        hub.leave(watcher)
+        await asyncio.sleep(0.1)
+        quiet = len(sent)
+        await asyncio.sleep(0.5)
+        assert len(sent) == quiet, "nobody watches: nothing is read"
+        again = await hub.watch(ANONYMOUS, None, None, None, None)  # and it starts again
+        await asyncio.sleep(0.2)
+        assert len(sent) > quiet
+        hub.leave(again)
+    finally:
+        hub.close()
+        await db.close()
