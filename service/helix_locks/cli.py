@@ -1,10 +1,11 @@
 """The `helix-locks` command line. The client commands (run, acquire, renew, release, list,
-current) need the SDK alone; serve, migrate and keys live in server.py, loaded only for them."""
+current, watch) need the SDK alone; serve, migrate and keys live in server.py, loaded only for them."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -89,6 +90,27 @@ def client_command(args: argparse.Namespace) -> int:
             return 1
         except HelixError as exc:
             print(f"helix-locks: {exc}", file=sys.stderr)
+            return runner.EXIT_UNAVAILABLE
+    return 0
+
+
+def watch_command(args: argparse.Namespace) -> int:
+    """watch: one JSON line per event on standard output, each flushed, until a signal stops it
+    (exit 0); the problem on standard error."""
+    with _client(args) as client:
+        try:
+            for event in client.watch(args.org, args.job_type, args.last_event_id):
+                sys.stdout.write(json.dumps(event, sort_keys=True) + "\n")
+                sys.stdout.flush()
+        except BrokenPipeError:
+            # The reader went away (`| head -n 1`): end quietly, with the status SIGPIPE would give.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + signal.SIGPIPE
+        except ApiError as exc:
+            print(f"helix-locks watch: {exc}", file=sys.stderr)
+            return 1
+        except HelixError as exc:
+            print(f"helix-locks watch: {exc}", file=sys.stderr)
             return runner.EXIT_UNAVAILABLE
     return 0
 
@@ -226,6 +248,22 @@ def parser() -> argparse.ArgumentParser:
     list_cmd.add_argument("--state", default=None, choices=["held", "expired", "released", "reclaimed"])
     client_options(list_cmd)
     list_cmd.set_defaults(handler=client_command)
+    watch_cmd = commands.add_parser(
+        "watch",
+        help="print lock events as JSON lines, resuming after a cut",
+        description="Print each event of GET /v1/events as one JSON line (its data, with its id), "
+        "resuming after a cut connection without missing or repeating one. Exit status: 0 when "
+        "stopped by Ctrl-C or SIGTERM; 1 on a refusal (401, 403, 410 events-expired); "
+        f"{runner.EXIT_UNAVAILABLE} if the service could not be reached for 60 s (a refused first "
+        "connection at once); 141 when the reader of standard output went away.",
+    )
+    watch_cmd.add_argument("--org", default=None, help="organization id (default: the key's own, or all)")
+    watch_cmd.add_argument("--job-type", default=None, help="job type (default: all)")
+    watch_cmd.add_argument(
+        "--last-event-id", default=None, metavar="ID", help="start after this event (an id printed earlier)"
+    )
+    client_options(watch_cmd)
+    watch_cmd.set_defaults(handler=watch_command)
     return root
 
 

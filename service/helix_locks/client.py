@@ -8,6 +8,9 @@
 
 A lease counts as lost as soon as a renewal is refused (410, 403, 404), and also when it could
 have lapsed by this process's own monotonic clock: renewals that keep failing never go unnoticed.
+
+    for event in client.watch("acme"):      # GET /v1/events, resumed by itself after a cut
+        print(event["id"], event["type"], event["lock"]["holder"])
 """
 
 from __future__ import annotations
@@ -15,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import getpass
+import json
+import math
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Generator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -32,6 +37,13 @@ GONE = (403, 404, 410)
 # A lease is given up this long before it would lapse by our clock (network and clock skew).
 SAFETY_FRACTION = 0.1
 MAX_BACKOFF_SECONDS = 2.0
+# The service sends a keep-alive comment at least every 15 s: a watch that hears nothing for three
+# of them takes its stream for dead and opens another.
+WATCH_READ_SECONDS = 45.0
+# Statuses after which a watch opens its stream again, after Retry-After when given: too many
+# watchers (429, 503), the database out of reach (503), a proxy's 502 or 504 while a replica
+# restarts. Any other refusal ends it.
+WATCH_RETRIED = (429, 502, 503, 504)
 
 
 class HelixError(Exception):
@@ -205,6 +217,74 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+@dataclass(frozen=True)
+class ServerEvent:
+    """One event of a text/event-stream: its type, its data, and the last event id at its dispatch."""
+
+    event: str
+    data: str
+    id: str | None
+
+
+class EventDecoder:
+    """Server-Sent Events, line by line, as the WHATWG HTML standard parses them (sans I/O).
+
+    An id counts once its event is dispatched: a stream cut in the middle of an event resumes from
+    the event before it, so that the cut one is sent again."""
+
+    def __init__(self, last_event_id: str | None = None) -> None:
+        self.last_event_id = last_event_id  # what a reconnection sends as Last-Event-ID
+        self.retry: float | None = None  # the server's reconnection time, in seconds
+        self._id = last_event_id
+        self._event = ""
+        self._data: list[str] = []
+        self._first = True
+
+    def feed(self, line: str) -> ServerEvent | None:
+        """Take one line (without its end); return the event that a blank line completes."""
+        if self._first:
+            self._first = False
+            line = line.removeprefix("\ufeff")
+        if not line:
+            return self._dispatch()
+        if line.startswith(":"):
+            return None  # a comment: the keep-alive
+        name, colon, value = line.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif name == "id":
+            if "\0" not in value:
+                self._id = value
+        elif name == "retry" and value.isascii() and value.isdigit():
+            self.retry = int(value) / 1000
+        return None
+
+    def _dispatch(self) -> ServerEvent | None:
+        self.last_event_id = self._id
+        data, event = self._data, self._event
+        self._data, self._event = [], ""
+        if not data:
+            return None
+        return ServerEvent(event or "message", "\n".join(data), self._id)
+
+
+def _watch_event(sent: ServerEvent) -> dict[str, Any]:
+    """An event's data as the SDK hands it over: the JSON object, with its id added."""
+    try:
+        event = json.loads(sent.data)
+    except ValueError:
+        event = None
+    if not isinstance(event, dict):
+        raise ApiError(200, {"detail": f"an event whose data is not a JSON object: {sent.data[:200]!r}"})
+    event.setdefault("type", sent.event)
+    event["id"] = sent.id
+    return event
+
+
 class Lease:
     """A held lock, renewed in the background; shared by the sync and async clients."""
 
@@ -247,6 +327,31 @@ class Lease:
             self._lost_reason = reason
 
 
+class SyncLease(Lease):
+    """The lease that LockClient.lock yields: it can also publish the lock's metadata."""
+
+    def __init__(self, grant: Grant, client: LockClient) -> None:
+        super().__init__(grant)
+        self._client = client
+
+    def update(self, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Replace the lock's metadata (progress, a leader's address) and return the lock; LockLost,
+        without a request, if the lease is lost already, or when the service says it is."""
+        return self._client._run(self._client._lease_update(self, metadata))
+
+
+class AsyncLease(Lease):
+    """The lease that AsyncLockClient.lock yields: as SyncLease, with a coroutine."""
+
+    def __init__(self, grant: Grant, client: AsyncLockClient) -> None:
+        super().__init__(grant)
+        self._client = client
+
+    async def update(self, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+        """As SyncLease.update."""
+        return await self._client._run(self._client._lease_update(self, metadata))
+
+
 @dataclass(frozen=True)
 class _Call:
     """A request for the driver to send; the flow is sent its response, or its TransportError."""
@@ -263,6 +368,28 @@ class _Pause:
     seconds: float
 
 
+@dataclass(frozen=True)
+class _Open:
+    """A streamed request for the driver to open (its earlier one closed): the flow is sent the
+    response, with the body read unless it is 200, or the TransportError."""
+
+    path: str
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class _ReadLine:
+    """The open stream's next line, for the driver to read: the flow is sent the line (without
+    its end), None when the stream ended, or the TransportError that cut it."""
+
+
+@dataclass(frozen=True)
+class _Emit:
+    """An event for the driver to hand to its caller; the flow is sent None once it is taken."""
+
+    event: dict[str, Any]
+
+
 T = TypeVar("T")
 _Outcome = httpx.Response | httpx.TransportError | None
 # What the two clients share is written once, as flows: generators that yield the requests to
@@ -270,6 +397,9 @@ _Outcome = httpx.Response | httpx.TransportError | None
 # the same way). LockClient drives them with httpx.Client and time.sleep, AsyncLockClient with
 # httpx.AsyncClient and asyncio.sleep; neither decides anything.
 Flow = Generator[_Call | _Pause, _Outcome, T]
+# A watch is a flow too, one that never returns: it opens a stream, reads its lines, hands out
+# its events, and opens it again after a cut.
+WatchFlow = Generator[_Open | _ReadLine | _Pause | _Emit, _Outcome | str, None]
 
 
 class _Core:
@@ -355,16 +485,29 @@ class _Core:
         renewed: dict[str, Any] = response.json()
         return renewed
 
-    def _update(self, lock_id: int, token: str, metadata: dict[str, Any] | None) -> Flow[dict[str, Any]]:
+    def _update(
+        self, lock_id: int, token: str, metadata: Mapping[str, Any] | None, within: float = 10.0
+    ) -> Flow[dict[str, Any]]:
         response = yield from self._send(
             "PATCH",
             f"/v1/locks/{lock_id}",
-            json={"metadata": metadata},
+            json={"metadata": None if metadata is None else dict(metadata)},
             headers={"Lock-Token": token},
+            within=within,
             holding=True,
         )
         updated: dict[str, Any] = response.json()
         return updated
+
+    def _lease_update(self, lease: Lease, metadata: Mapping[str, Any] | None) -> Flow[dict[str, Any]]:
+        """A held lease's update, retried while the lease lasts; a refusal loses the lease."""
+        lease.check()  # a lease lost by our clock proclaims nothing
+        grant = lease.grant
+        try:
+            return (yield from self._update(grant.id, grant.token, metadata, max(lease.remaining, 0.1)))
+        except LockLost as exc:
+            lease._lose(str(exc))
+            raise
 
     def _release(self, lock_id: int, token: str) -> Flow[None]:
         try:
@@ -386,6 +529,51 @@ class _Core:
             if exc.status == 404:  # none is held
                 return None
             raise
+
+    def _watch(
+        self,
+        organization_id: str | None,
+        job_type: str | None,
+        last_event_id: str | None,
+        within: float | None,
+    ) -> WatchFlow:
+        """GET /v1/events for as long as the caller reads, opened again after every cut or end
+        with Last-Event-ID, so that no event is missed or repeated. Unavailable once no stream
+        could be opened for `within` seconds (a refused first connection at once); ApiError on
+        any refusal but those of WATCH_RETRIED (401, 403, 410 events-expired, 422)."""
+        query = {"organization_id": organization_id, "job_type": job_type}
+        params = {name: value for name, value in query.items() if value is not None}
+        timeout = httpx.Timeout(self.timeout, read=max(WATCH_READ_SECONDS, self.timeout or 0))
+        limit = math.inf if within is None else within
+        resume, retry = last_event_id, 0.0
+        attempt, heard, since = 0, False, time.monotonic()
+        while True:
+            headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
+            if resume is not None:
+                headers["Last-Event-ID"] = resume
+            outcome = yield _Open("/v1/events", {"params": params, "headers": headers, "timeout": timeout})
+            response = outcome if isinstance(outcome, httpx.Response) else None
+            error = outcome if isinstance(outcome, httpx.TransportError) else None
+            if response is not None and response.status_code == 200:
+                kind = response.headers.get("content-type", "")
+                if not kind.startswith("text/event-stream"):
+                    raise ApiError(200, {"detail": f"{self.base_url}/v1/events answered {kind or 'no'} type"})
+                decoder = EventDecoder(resume)
+                while isinstance(line := (yield _ReadLine()), str):
+                    # Anything heard, a keep-alive included, says the service is there again.
+                    attempt, heard, since = 0, True, time.monotonic()
+                    if (sent := decoder.feed(line)) is not None:
+                        yield _Emit(_watch_event(sent))
+                resume, retry = decoder.last_event_id, decoder.retry or retry
+                error = line if isinstance(line, httpx.TransportError) else None
+            elif response is not None and response.status_code not in WATCH_RETRIED:
+                raise ApiError(response.status_code, _problem(response))
+            pause = max(_backoff(attempt, response), retry)
+            gave_up_at = since + (limit if heard or not _refused(error) else REFUSED_WITHIN_SECONDS)
+            if time.monotonic() + pause > gave_up_at:
+                raise _gave_up(self.base_url, time.monotonic() - since, error) from error
+            yield _Pause(pause)
+            attempt += 1
 
     def _renewal(self, lease: Lease) -> Flow[bool]:
         """One renewal of a held lease; False once the lease is lost (it says why)."""
@@ -456,7 +644,7 @@ class LockClient(_Core):
     def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
         return self._run(self._renew(lock_id, token, ttl, within))
 
-    def update(self, lock_id: int, token: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
+    def update(self, lock_id: int, token: str, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         """Replace a held lock's metadata (progress, an address); LockLost if it is not ours."""
         return self._run(self._update(lock_id, token, metadata))
 
@@ -477,6 +665,47 @@ class LockClient(_Core):
         """The lock held now for the key, or None."""
         return self._run(self._current(organization_id, job_type))
 
+    def watch(
+        self,
+        organization_id: str | None = None,
+        job_type: str | None = None,
+        last_event_id: str | None = None,
+        within: float | None = 60.0,
+    ) -> Generator[dict[str, Any], None, None]:
+        """The events of GET /v1/events as they come, each its data with its `id` added; resumed
+        after a cut or an end from the last event handed out. Unavailable when no stream could
+        be opened for `within` seconds (None: never give up); ApiError on a refusal."""
+        flow = self._watch(organization_id, job_type, last_event_id, within)
+        with contextlib.ExitStack() as stream:
+            lines: Iterator[str] | None = None
+            sent: _Outcome | str = None
+            while True:
+                step = flow.send(sent)
+                sent = None
+                if isinstance(step, _Emit):
+                    yield step.event
+                elif isinstance(step, _Pause):
+                    time.sleep(step.seconds)
+                elif isinstance(step, _Open):
+                    stream.close()
+                    try:
+                        response = stream.enter_context(self.http.stream("GET", step.path, **step.kwargs))
+                        if response.status_code != 200:
+                            response.read()
+                        lines, sent = response.iter_lines(), response
+                    except httpx.TransportError as exc:
+                        sent = exc
+                else:
+                    assert lines is not None  # a line is asked for only from an open stream
+                    try:
+                        sent = next(lines)
+                    except StopIteration:
+                        sent = None
+                    except httpx.TransportError as exc:
+                        sent = exc
+                    if not isinstance(sent, str):
+                        stream.close()
+
     @contextlib.contextmanager
     def lock(
         self,
@@ -486,10 +715,10 @@ class LockClient(_Core):
         holder: str | None = None,
         wait: float = 0,
         metadata: Mapping[str, Any] | None = None,
-    ) -> Iterator[Lease]:
+    ) -> Iterator[SyncLease]:
         """Hold the lock for the block: renewed every ttl/3 in a thread, released at the end."""
         grant = self.acquire(organization_id, job_type, ttl, holder, metadata, wait)
-        lease = Lease(grant)
+        lease = SyncLease(grant, self)
         stop = threading.Event()
         renewer = threading.Thread(
             target=self.keep_alive, args=(lease, stop), daemon=True, name="helix-renew"
@@ -562,7 +791,7 @@ class AsyncLockClient(_Core):
     async def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
         return await self._run(self._renew(lock_id, token, ttl, within))
 
-    async def update(self, lock_id: int, token: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
+    async def update(self, lock_id: int, token: str, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         """Replace a held lock's metadata (progress, an address); LockLost if it is not ours."""
         return await self._run(self._update(lock_id, token, metadata))
 
@@ -580,6 +809,48 @@ class AsyncLockClient(_Core):
         """As LockClient.current."""
         return await self._run(self._current(organization_id, job_type))
 
+    async def watch(
+        self,
+        organization_id: str | None = None,
+        job_type: str | None = None,
+        last_event_id: str | None = None,
+        within: float | None = 60.0,
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """As LockClient.watch. Leaving the loop early closes the stream when the generator is
+        finalized; `contextlib.aclosing(client.watch(...))` closes it at once."""
+        flow = self._watch(organization_id, job_type, last_event_id, within)
+        async with contextlib.AsyncExitStack() as stream:
+            lines: AsyncIterator[str] | None = None
+            sent: _Outcome | str = None
+            while True:
+                step = flow.send(sent)
+                sent = None
+                if isinstance(step, _Emit):
+                    yield step.event
+                elif isinstance(step, _Pause):
+                    await asyncio.sleep(step.seconds)
+                elif isinstance(step, _Open):
+                    await stream.aclose()
+                    try:
+                        response = await stream.enter_async_context(
+                            self.http.stream("GET", step.path, **step.kwargs)
+                        )
+                        if response.status_code != 200:
+                            await response.aread()
+                        lines, sent = response.aiter_lines(), response
+                    except httpx.TransportError as exc:
+                        sent = exc
+                else:
+                    assert lines is not None  # a line is asked for only from an open stream
+                    try:
+                        sent = await anext(lines)
+                    except StopAsyncIteration:
+                        sent = None
+                    except httpx.TransportError as exc:
+                        sent = exc
+                    if not isinstance(sent, str):
+                        await stream.aclose()
+
     @contextlib.asynccontextmanager
     async def lock(
         self,
@@ -589,10 +860,10 @@ class AsyncLockClient(_Core):
         holder: str | None = None,
         wait: float = 0,
         metadata: Mapping[str, Any] | None = None,
-    ) -> AsyncIterator[Lease]:
+    ) -> AsyncIterator[AsyncLease]:
         """As LockClient.lock, renewed by a task."""
         grant = await self.acquire(organization_id, job_type, ttl, holder, metadata, wait)
-        lease = Lease(grant)
+        lease = AsyncLease(grant, self)
         renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")
         try:
             yield lease
