@@ -9,7 +9,9 @@ first thing that is not as the contract says.
 from __future__ import annotations
 
 import json
+import queue
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -75,6 +77,123 @@ def never_open() -> None:
         expect(status == 404, f"the balancer does not publish {path}")
 
 
+class Stream:
+    """GET /v1/events through the balancer, read by a thread of its own, so that each message can
+    be waited for with a deadline and timed as it arrives."""
+
+    def __init__(self, path: str) -> None:
+        headers = {"Authorization": f"Bearer {KEY}", "Accept": "text/event-stream"}
+        request = urllib.request.Request(BASE + path, headers=headers)
+        self.response = urllib.request.urlopen(request, timeout=30)
+        self.status: int = self.response.status
+        self.headers = self.response.headers
+        self._lines: queue.Queue[tuple[float, bytes | None]] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True, name="events").start()
+
+    def _read(self) -> None:
+        try:
+            for line in self.response:
+                self._lines.put((time.monotonic(), line.rstrip(b"\r\n")))
+        except (OSError, ValueError, AttributeError):  # closed under it: the checks are done
+            pass
+        self._lines.put((time.monotonic(), None))
+
+    def message(self, within: float) -> tuple[float, str, Any]:
+        """(when it arrived, its event type or its comment, its data) of the next message; fails
+        the smoke unless it is all there within `within` seconds."""
+        deadline = time.monotonic() + within
+        kind, data, seen = "message", None, False
+        while True:
+            try:
+                at, line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                sys.exit(f"compose-smoke: FAILED: the event stream sent nothing whole within {within} s")
+            if line is None:
+                sys.exit("compose-smoke: FAILED: the event stream ended")
+            text = line.decode()
+            if not text:
+                if seen:
+                    return at, kind, data
+                continue
+            seen = True
+            if text.startswith(":"):
+                kind = text
+            elif text.startswith("event: "):
+                kind = text.removeprefix("event: ")
+            elif text.startswith("data: "):
+                data = json.loads(text.removeprefix("data: "))
+
+    def close(self) -> None:
+        self.response.close()
+
+
+def next_request_elsewhere(replica: str) -> None:
+    """Asks /healthz until `replica` answers: round robin then hands the next request to another."""
+    for _ in range(10):
+        if call("GET", "/healthz")[2]["X-Helix-Upstream"] == replica:
+            return
+    sys.exit(f"compose-smoke: FAILED: {replica} answered none of 10 requests")
+
+
+def events_across_replicas() -> None:
+    """A watcher on one replica, through the balancer, sees what a worker does through another
+    replica within moments, and the balancer passes each keep-alive on as it comes."""
+    job_type = "events-smoke"  # its own job type: the locks above make no events on this stream
+    opened = time.monotonic()
+    stream = Stream(f"/v1/events?organization_id=acme&job_type={job_type}")
+    watched = stream.headers["X-Helix-Upstream"]
+    expect(
+        stream.status == 200
+        and stream.headers["Content-Type"].startswith("text/event-stream")
+        and stream.headers["Cache-Control"] == "no-cache",
+        f"an organization's event stream opens through the balancer, on {watched}",
+    )
+    at, kind, _ = stream.message(within=5)
+    expect(kind == ": keep-alive", f"its first keep-alive came through {at - opened:.2f} s after the request")
+
+    def change(method: str, path: str, body: dict[str, Any] | None = None, token: str | None = None) -> Any:
+        """The answer of a change made through a replica other than the stream's."""
+        next_request_elsewhere(watched)
+        status, answer, headers = call(method, path, body, token=token)
+        other = headers["X-Helix-Upstream"]
+        expect(status in (201, 204) and other != watched, f"{method} {path} answered {status} on {other}")
+        return answer
+
+    def seen(what: str, lock_id: int) -> float:
+        """When the stream delivered the event `what` of the lock, which must come next."""
+        changed = time.monotonic()
+        at, kind, data = stream.message(within=5)
+        expect(
+            kind == what and data["type"] == what and data["lock"]["id"] == lock_id,
+            f"the stream on {watched} saw '{kind}' of lock {data and data['lock']['id']}"
+            f" {at - changed:.2f} s after the change",
+        )
+        return at
+
+    grant = change("POST", "/v1/locks", lock("watched-worker", job_type=job_type))
+    seen("acquired", grant["id"])
+    change("DELETE", f"/v1/locks/{grant['id']}", token=grant["token"])
+    at = seen("released", grant["id"])
+
+    # A quiet stream: each keep-alive must arrive when the replica sends it, not in a burst when
+    # some buffer fills or the stream ends.
+    last = at
+    gaps = []
+    for _ in range(2):
+        at, kind, _ = stream.message(within=20)
+        if kind != ": keep-alive":
+            sys.exit(f"compose-smoke: FAILED: a quiet stream sent {kind}")
+        gaps.append(at - last)
+        last = at
+    expect(
+        all(gap >= 0.5 for gap in gaps),
+        "a quiet stream's keep-alives came through one by one, "
+        + " and ".join(f"{gap:.2f} s" for gap in gaps)
+        + " apart",
+    )
+    stream.close()
+
+
 def main() -> None:
     deadline = time.monotonic() + 120
     while True:
@@ -121,6 +240,7 @@ def main() -> None:
 
     upstreams = {call("GET", "/healthz")[2]["X-Helix-Upstream"] for _ in range(20)}
     expect(len(upstreams) >= 2, f"requests were answered by {len(upstreams)} replicas: {sorted(upstreams)}")
+    events_across_replicas()
 
 
 if __name__ == "__main__":
