@@ -11,6 +11,7 @@ The SDK for workers (httpx its only dependency; the server's modules need the `s
 
 from helix_locks.client import (
     ApiError,
+    AsyncLease,
     AsyncLockClient,
     Grant,
     HelixError,
@@ -18,11 +19,13 @@ from helix_locks.client import (
     LockClient,
     LockHeld,
     LockLost,
+    SyncLease,
     Unavailable,
 )
 
 __all__ = [
     "ApiError",
+    "AsyncLease",
     "AsyncLockClient",
     "Grant",
     "HelixError",
@@ -30,5 +33,6 @@ __all__ = [
     "LockClient",
     "LockHeld",
     "LockLost",
+    "SyncLease",
     "Unavailable",
 ]
