@@ -321,9 +321,19 @@ class EventHub:
             by_start.setdefault(row["n"], []).append(row)
         read = (window[0], window[1], until, until_at)
         live = [_event(row, read) for row in by_start[1] if row["event"] is not None]
+        # Sorted once by organization and by key, so that each watcher takes its share at the cost
+        # of a lookup, however many watch.
+        scopes: dict[tuple[str | None, str | None], list[Event]] = {(None, None): live}
+        for event in live:
+            scopes.setdefault((event.organization_id, None), []).append(event)
+            scopes.setdefault((event.organization_id, event.job_type), []).append(event)
         for watcher in list(self._watchers):
-            if watcher.joined.done():
+            if not watcher.joined.done():
+                continue
+            if watcher.organization_id is None and watcher.job_type is not None:  # an admin's, rare
                 self._send(watcher, [event for event in live if watcher.sees(event)])
+            else:
+                self._send(watcher, scopes.get((watcher.organization_id, watcher.job_type), []))
         for n, watcher in enumerate(resuming, start=2):
             self._answer_resume(watcher, by_start.get(n, []), until, until_at)
         self._join_fresh()
