@@ -32,6 +32,9 @@
 --   when e lies after that window's T of P; when e lies before it, the window holding e read the
 --   row before the renewal and reported e there. A renewal that committed before P took its clock
 --   reading r before T of P, so no lapse it recorded can fall into a later window.
+-- - A grant or renewal whose commit came after its own lease had run out (a commit slower than
+--   the lease) was read by no window before its expiry: the window that holds its commit
+--   reports the expiry.
 -- - Order: every grant of a key waits for the key's row lock (0003), so a key's lock ids, like
 --   its fencing tokens, increase in commit order, and a lock's changes are serialised by its row
 --   lock. Sorting a window by (lock id, time, kind) puts each key's events in commit order.
@@ -161,22 +164,35 @@ BEGIN
         UNION ALL
         SELECT 'expired', r.expires_at, 1, r.expires_at <= p_seen_at, r.id
         FROM ran_out AS r
+        UNION ALL
+        -- A grant or renewal that committed only after its own lease had run out (a commit slower
+        -- than the lease): no window read the row before its expiry, so this one reports it.
+        SELECT 'expired', c.expires_at, 1,
+               pg_visible_in_snapshot(
+                   CASE WHEN NOT pg_visible_in_snapshot(c.renewed_xid, p_after)
+                        THEN c.renewed_xid ELSE c.acquired_xid END,
+                   p_seen
+               ),
+               c.id
+        FROM scoped AS c
+        WHERE c.expires_at <= p_after_at
+          AND (c.released_at IS NULL OR c.released_at > c.expires_at)
+          AND (NOT pg_visible_in_snapshot(c.acquired_xid, p_after)
+               OR NOT pg_visible_in_snapshot(c.renewed_xid, p_after))
     ),
     -- The view reads the clock, so it is not merged into a join: it is asked for these ids alone
     -- (joined by id, it would be read whole).
     locks AS (
-        SELECT w.*, l.reclaimed_lock_id, l.reclaimed_holder, l.reclaimed_expired_at
-        FROM helix_job_lock_views AS w
-        JOIN helix_job_locks AS l ON l.id = w.id
-        WHERE w.id = ANY (ARRAY(SELECT e.id FROM events AS e))
-          AND l.id = ANY (ARRAY(SELECT e.id FROM events AS e))
+        SELECT w.* FROM helix_job_lock_views AS w
+        WHERE w.id = ANY (ARRAY(SELECT DISTINCT e.id FROM events AS e))
     )
     SELECT e.event, e.at, e.rank, e.seen,
            v.id, v.organization_id, v.job_type, v.holder, v.fencing_token, v.acquired_at,
            v.expires_at, v.released_at, v.release_reason, v.state, v.ttl_remaining_ms, v.metadata,
-           v.reclaimed_lock_id, v.reclaimed_holder, v.reclaimed_expired_at
+           c.reclaimed_lock_id, c.reclaimed_holder, c.reclaimed_expired_at
     FROM events AS e
     JOIN locks AS v ON v.id = e.id
+    LEFT JOIN scoped AS c ON c.id = e.id AND e.event = 'acquired'
     ORDER BY e.id, e.at, e.rank;
 END $$;
 

@@ -86,6 +86,7 @@ POOLER_WITHOUT_DIRECT_URL = (
 SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "23505": _lock_held,
     "22023": _invalid,
+    "22P02": _invalid,  # a value PostgreSQL cannot read as its type (an event id's snapshot)
     "HL001": lambda exc: LockNotFound(),
     "HL002": _token_mismatch,
     "HL003": _lock_ended,

@@ -15,14 +15,17 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
 from psycopg.rows import DictRow
 
 from helix_locks import queries
 from helix_locks.db import Database
 from helix_locks.errors import (
+    DatabaseUnavailable,
     EventsExpired,
     InternalError,
     InvalidArgument,
+    InvalidRequest,
     LockError,
     OrganizationWatchersFull,
     ShuttingDown,
@@ -96,6 +99,7 @@ class Watcher:
     # Each read's events for this watcher; the events themselves are shared by every watcher.
     queue: asyncio.Queue[list[Event] | None] = field(default_factory=asyncio.Queue)
     joined: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    bridge: tuple[str, datetime] | None = None  # where its replay ended (snapshot, time)
     backlog: int = 0  # events queued and not yet taken
     ended: bool = False
 
@@ -144,6 +148,25 @@ def _event(row: DictRow, window: tuple[str, datetime, str, datetime]) -> Event:
     return Event(lock.organization_id, lock.job_type, wire)
 
 
+def _starts(
+    starts: list[tuple[str, datetime, str | None, str | None]],
+    seen: tuple[str, datetime] | None = None,
+    limit: int | None = None,
+) -> dict[str, list[Any]]:
+    """queries.EVENTS's parameters: for each start, its window's beginning and scope; seen and
+    limit for a replay (one more row than the limit tells that it was passed)."""
+    after, after_at, organization_id, job_type = (list(column) for column in zip(*starts, strict=True))
+    return {
+        "after": after,
+        "after_at": after_at,
+        "organization_id": organization_id,
+        "job_type": job_type,
+        "seen": [None if seen is None else seen[0]] * len(starts),
+        "seen_at": [None if seen is None else seen[1]] * len(starts),
+        "limit": [None if limit is None else limit + 1] * len(starts),
+    }
+
+
 class EventHub:
     """This process's event reader and its watchers. The reader runs only while someone watches,
     and costs one statement per poll whatever their number."""
@@ -160,6 +183,7 @@ class EventHub:
         backlog: int,
         keep: timedelta | None,
         keepalive_seconds: float,
+        replays: int = 2,
     ) -> None:
         self.db = db
         self.keys = keys
@@ -173,6 +197,8 @@ class EventHub:
         self._watchers: list[Watcher] = []
         self._per_organization: Counter[str | None] = Counter()
         self._reader: asyncio.Task[None] | None = None
+        # Replays run on pooled connections: at most a few at once, so that requests keep theirs.
+        self._replays = asyncio.Semaphore(replays)
         self._closed = False
 
     @property
@@ -207,6 +233,12 @@ class EventHub:
         watcher = Watcher(caller, authorization, scope, job_type, resume)
         self._watchers.append(watcher)
         self._per_organization[caller.organization_id] += 1
+        try:
+            if resume is not None:
+                await self._replay(watcher, resume)
+        except BaseException:
+            self.leave(watcher)
+            raise
         if self._reader is None or self._reader.done():
             self._reader = asyncio.create_task(self._read(), name="helix-locks-events")
         try:
@@ -294,27 +326,56 @@ class EventHub:
             if watcher.resume is None and not watcher.joined.done():
                 watcher.joined.set_result(None)
 
+    async def _replay(self, watcher: Watcher, resume: Position) -> None:
+        """What followed the resume's event, read by a statement of its own: a long replay delays
+        no one else's events, and a refused one fails alone. The watcher then waits for the
+        reader's next window to bridge from the replay's end."""
+        start = (resume.after, resume.after_at, watcher.organization_id, watcher.job_type)
+        params = _starts([start], seen=(resume.until, resume.until_at), limit=self.replay_limit)
+        try:
+            async with asyncio.timeout(self.db.deadline_seconds):  # the replays ahead of it
+                await self._replays.acquire()
+        except TimeoutError as exc:
+            raise TooManyWatchers(self.max_watchers) from exc
+        try:
+            rows = await self.db.fetch_all(queries.EVENTS, params)
+        except InvalidRequest as exc:  # PostgreSQL refused a snapshot
+            raise InvalidArgument("Last-Event-ID", "not an event id of this service") from exc
+        except DatabaseUnavailable as exc:
+            if isinstance(exc.__cause__, psycopg.errors.QueryCanceled):
+                raise EventsExpired("replaying what followed it takes longer than a statement may") from exc
+            raise
+        finally:
+            self._replays.release()
+        until, until_at = rows[0]["snapshot"], rows[0]["until_at"]
+        if _xmax(resume.until) > _xmax(until):  # a window that has not happened yet
+            raise InvalidArgument("Last-Event-ID", "not an event id of this service")
+        found = [row for row in rows if row["event"] is not None]
+        if len(found) > self.replay_limit:
+            raise EventsExpired(
+                f"more than {self.replay_limit} events followed it (HELIX_LOCKS_EVENTS_REPLAY_LIMIT)"
+            )
+        # Leave out what the stream had sent: the events of the window the id was read in, up to
+        # the id's own.
+        window = (resume.after, resume.after_at, until, until_at)
+        replayed = [
+            _event(row, window)
+            for row in found
+            if not (row["seen"] and (row["id"], utc(row["at"]), row["rank"]) <= resume.place)
+        ]
+        self._send(watcher, replayed, whole=True)
+        watcher.bridge = (until, until_at)
+
     async def _next(self, window: tuple[str, datetime]) -> tuple[str, datetime]:
         """Read the next window, send its events, and answer the resumes waiting; the new window."""
-        resuming = [w for w in self._watchers if w.resume is not None and not w.joined.done()]
-        starts: list[tuple[Any, ...]] = [(window[0], window[1], None, None, None, None, None)]
-        for watcher in resuming:
-            assert watcher.resume is not None
-            resume = watcher.resume
-            starts.append(
-                (
-                    resume.after,
-                    resume.after_at,
-                    watcher.organization_id,
-                    watcher.job_type,
-                    resume.until,
-                    resume.until_at,
-                    self.replay_limit + 1,
-                )
-            )
-        columns = ("after", "after_at", "organization_id", "job_type", "seen", "seen_at", "limit")
-        params = {name: list(values) for name, values in zip(columns, zip(*starts, strict=True), strict=True)}
-        rows = await self.db.fetch_all(queries.EVENTS, params)
+        # A resumed watcher's replay ended at a snapshot of its own: the window from there to this
+        # read's joins it to the reader's windows (a few changes, read in the same statement).
+        bridging = [w for w in self._watchers if w.bridge is not None and not w.joined.done()]
+        starts: list[tuple[str, datetime, str | None, str | None]] = [(*window, None, None)]
+        for watcher in bridging:
+            assert watcher.bridge is not None
+            starts.append((*watcher.bridge, watcher.organization_id, watcher.job_type))
+        rows = await self.db.fetch_all(queries.EVENTS, _starts(starts))
         until, until_at = rows[0]["snapshot"], rows[0]["until_at"]
         by_start: dict[int, list[DictRow]] = {}
         for row in rows:
@@ -334,40 +395,23 @@ class EventHub:
                 self._send(watcher, [event for event in live if watcher.sees(event)])
             else:
                 self._send(watcher, scopes.get((watcher.organization_id, watcher.job_type), []))
-        for n, watcher in enumerate(resuming, start=2):
-            self._answer_resume(watcher, by_start.get(n, []), until, until_at)
+        for n, watcher in enumerate(bridging, start=2):
+            assert watcher.bridge is not None
+            bridge = (*watcher.bridge, until, until_at)
+            self._send(
+                watcher, [_event(row, bridge) for row in by_start.get(n, []) if row["event"] is not None]
+            )
+            watcher.joined.set_result(None)
         self._join_fresh()
         return until, until_at
 
-    def _answer_resume(self, watcher: Watcher, rows: list[DictRow], until: str, until_at: datetime) -> None:
-        resume = watcher.resume
-        assert resume is not None
-        found = [row for row in rows if row["event"] is not None]
-        if _xmax(resume.until) > _xmax(until):
-            watcher.joined.set_exception(InvalidArgument("Last-Event-ID", "not an event id of this service"))
-        elif len(found) > self.replay_limit:
-            too_many = f"more than {self.replay_limit} events followed it (HELIX_LOCKS_EVENTS_REPLAY_LIMIT)"
-            watcher.joined.set_exception(EventsExpired(too_many))
-        else:
-            # Leave out what the stream had sent: the events of the window the id was read in,
-            # up to the id's own.
-            window = (resume.after, resume.after_at, until, until_at)
-            events = [
-                _event(row, window)
-                for row in found
-                if not (row["seen"] and (row["id"], utc(row["at"]), row["rank"]) <= resume.place)
-            ]
-            watcher.joined.set_result(None)
-            self._send(watcher, events)
-            return
-        self.leave(watcher)
-
-    def _send(self, watcher: Watcher, events: list[Event]) -> None:
+    def _send(self, watcher: Watcher, events: list[Event], *, whole: bool = False) -> None:
+        """Queue the events for the watcher; one that has left more than the backlog unread is
+        ended (it resumes from the last event it took). A read's events, or a replay (whole),
+        always reach a watcher that has taken everything before them."""
         if not events or watcher.ended:
             return
-        if watcher.backlog + len(events) > self.backlog:
-            # It does not read: end its stream rather than keep its events; it resumes from
-            # the last event it took.
+        if watcher.backlog and (whole or watcher.backlog + len(events) > self.backlog):
             self.leave(watcher)
             return
         watcher.backlog += len(events)

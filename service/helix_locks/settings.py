@@ -54,7 +54,7 @@ class Settings(BaseSettings):
     max_watchers: int = Field(default=10_000, ge=0)
     max_watchers_per_organization: int = Field(default=1_000, ge=0)
     # A resume (Last-Event-ID) replays at most this many events; more are refused with 410.
-    events_replay_limit: int = Field(default=100_000, ge=1)
+    events_replay_limit: int = Field(default=10_000, ge=1)
     # Events a watcher has not yet taken; a watcher that falls further behind is disconnected,
     # and resumes with Last-Event-ID.
     events_backlog: int = Field(default=10_000, ge=1)
