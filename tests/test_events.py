@@ -9,7 +9,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import pytest
 
 from helix_locks import keys
 from helix_locks.db import Database, create_pool
+from helix_locks.errors import EventsExpired
 from helix_locks.events import EventHub
 from helix_locks.keys import ANONYMOUS, KeyRing
 from tests.support import ROUTE, Event, Watch, running_service
@@ -298,6 +299,42 @@ async def test_nobody_watching_costs_no_reader_and_no_statement(db_url: str) -> 
         await asyncio.sleep(0.2)
         assert len(sent) > quiet
         hub.leave(again)
+    finally:
+        hub.close()
+        await db.close()
+
+
+async def test_when_the_database_history_goes_back_every_stream_ends(db_url: str) -> None:
+    """A failover to a standby that lacked the last transactions (asynchronous replication) puts
+    the database's transaction ids behind the reader's window, which would take new changes for
+    seen: the reader ends every stream instead (each resumes), and a resume from an id of the
+    lost history is 410."""
+    settings = ROUTE.settings(db_url, allow_anonymous=True)
+    pool = create_pool(settings)
+    await pool.open()
+    db = Database(pool, settings)
+    hub = EventHub(
+        db,
+        KeyRing(db, allow_anonymous=True),
+        poll_seconds=0.02,
+        max_watchers=10,
+        max_per_organization=10,
+        replay_limit=10,
+        backlog=10,
+        keep=None,
+        keepalive_seconds=1,
+    )
+    try:
+        watcher = await hub.watch(ANONYMOUS, None, None, None, None)
+        ahead = "4000000000:4000000000:"  # a window read on the lost history
+        await hub._next((ahead, datetime.now(UTC)))
+        assert watcher.ended
+        assert hub.watching == 0
+        raw = [ahead, datetime.now(UTC).isoformat(), ahead, datetime.now(UTC).isoformat(), 1]
+        raw += [datetime.now(UTC).isoformat(), 0]
+        lost = base64.urlsafe_b64encode(json.dumps(raw).encode()).decode()
+        with pytest.raises(EventsExpired):
+            await hub.watch(ANONYMOUS, None, None, None, lost)
     finally:
         hub.close()
         await db.close()

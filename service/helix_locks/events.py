@@ -265,7 +265,11 @@ class EventHub:
         finally:
             self.leave(watcher)
 
-    def leave(self, watcher: Watcher) -> None:
+    def leave(self, watcher: Watcher, why: LockError | None = None) -> None:
+        """End the watcher's stream; one still joining is answered `why` (by default 503)."""
+        if not watcher.joined.done():
+            watcher.joined.set_exception(why or DatabaseUnavailable("the stream ended as it began"))
+            watcher.joined.exception()  # retrieved: its request may have gone already
         if watcher in self._watchers:
             self._watchers.remove(watcher)
             self._per_organization[watcher.caller.organization_id] -= 1
@@ -275,9 +279,7 @@ class EventHub:
         """End every stream (the service is stopping) and the reader."""
         self._closed = True
         for watcher in list(self._watchers):
-            if not watcher.joined.done():
-                watcher.joined.set_exception(ShuttingDown())
-            self.leave(watcher)
+            self.leave(watcher, ShuttingDown())
         if self._reader is not None:
             self._reader.cancel()
 
@@ -287,9 +289,7 @@ class EventHub:
         except Exception:  # a bug: end every stream (each resumes) rather than leave them silent
             logger.exception("event reader failed")
             for watcher in list(self._watchers):
-                if not watcher.joined.done():
-                    watcher.joined.set_exception(InternalError())
-                self.leave(watcher)
+                self.leave(watcher, InternalError())
 
     async def _read_windows(self) -> None:
         """Read window after window while anyone watches; a failed read is tried again, and the
@@ -309,8 +309,7 @@ class EventHub:
             except LockError as exc:  # the database is away, or slow: try again
                 failures += 1
                 for watcher in [w for w in self._watchers if not w.joined.done()]:
-                    watcher.joined.set_exception(exc)
-                    self.leave(watcher)
+                    self.leave(watcher, exc)
                 if failures == 1:
                     logger.warning("event reader could not read: %s", type(exc).__name__)
                 await asyncio.sleep(min(5.0, self.poll_seconds * 2**failures))
@@ -348,8 +347,10 @@ class EventHub:
         finally:
             self._replays.release()
         until, until_at = rows[0]["snapshot"], rows[0]["until_at"]
-        if _xmax(resume.until) > _xmax(until):  # a window that has not happened yet
-            raise InvalidArgument("Last-Event-ID", "not an event id of this service")
+        if _xmax(resume.until) > _xmax(until):
+            # A window this database has not reached: made up, or read before a failover to a
+            # standby that lacked the last transactions (asynchronous replication).
+            raise EventsExpired("the database has no such point in its history")
         found = [row for row in rows if row["event"] is not None]
         if len(found) > self.replay_limit:
             raise EventsExpired(
@@ -377,6 +378,14 @@ class EventHub:
             starts.append((*watcher.bridge, watcher.organization_id, watcher.job_type))
         rows = await self.db.fetch_all(queries.EVENTS, _starts(starts))
         until, until_at = rows[0]["snapshot"], rows[0]["until_at"]
+        if _xmax(until) < _xmax(window[0]):
+            # The database's history went back (a failover to a standby that lacked the last
+            # transactions): windows of the old one would take new changes for seen. Every stream
+            # ends, and starts again from here.
+            logger.warning("event reader: the database's transaction ids went back; streams end")
+            for watcher in list(self._watchers):
+                self.leave(watcher, DatabaseUnavailable("the database's history went back"))
+            return until, until_at
         by_start: dict[int, list[DictRow]] = {}
         for row in rows:
             by_start.setdefault(row["n"], []).append(row)
@@ -429,4 +438,4 @@ class EventHub:
                 except LockError:  # the database is away: decide on a later round
                     verdicts[watcher.authorization] = True
             if not verdicts[watcher.authorization]:
-                self.leave(watcher)
+                self.leave(watcher, Unauthenticated("The API key is unknown or revoked."))
