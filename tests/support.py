@@ -26,6 +26,7 @@ from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from helix_locks.client import EventDecoder
 from helix_locks.embedded import DIRECT_DATABASE_URL
 from helix_locks.settings import Settings
 
@@ -371,39 +372,57 @@ class Event:
 
 
 class Watch:
-    """GET /v1/events on a real server, read by a task into `events` as they arrive.
+    """GET /v1/events on a real server, read by a task into `events` as they arrive (parsed by the
+    SDK's decoder).
 
-    Entered, the stream is joined: the server sends its first keep-alive once every change that
-    commits from then on will reach it. `status` and `problem` tell a refusal."""
+    Entered (or opened), the stream is joined: the server sends its first keep-alive once every
+    change that commits from then on will reach it; or it is refused (`status`, `problem`).
+    `stop_after`: drop the connection right after reading that many events, even in the middle of
+    what the server sent at once (`mid_window` says so). `outcome` is None while it is open, then
+    "clean" (the body ended), "cut" (dropped by stop_after), "refused", or the transport error."""
 
     def __init__(
-        self, base_url: str, *, key: str | None = None, last_event_id: str | None = None, **params: str
+        self,
+        base_url: str,
+        key: str | None = None,
+        *,
+        last_event_id: str | None = None,
+        stop_after: int | None = None,
+        **params: str,
     ) -> None:
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         if last_event_id is not None:
             self.headers["Last-Event-ID"] = last_event_id
-        self.base_url, self.params = base_url, params
+        self.base_url, self.params, self.stop_after = base_url, params, stop_after
         self.events: list[Event] = []
-        self.comments = 0
-        self.ended = asyncio.Event()
+        self.comments: list[float] = []  # time.monotonic() of each keep-alive
         self.status = 0
         self.problem: dict[str, Any] | None = None
+        self.outcome: str | None = None
+        self.mid_window = False
+        self.ended = asyncio.Event()
 
-    async def __aenter__(self) -> Watch:
+    async def open(self) -> Watch:
         self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(10, read=60))
         joined = asyncio.Event()
         self._task = asyncio.create_task(self._read(joined))
-        done, _ = await asyncio.wait(
-            [self._task, asyncio.create_task(joined.wait())], timeout=20, return_when=asyncio.FIRST_COMPLETED
-        )
-        assert done, "the stream neither opened nor was refused within 20 s"
+        waiting = asyncio.create_task(joined.wait())
+        await asyncio.wait([self._task, waiting], timeout=20, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        assert joined.is_set() or self.ended.is_set(), "the stream neither opened nor was refused in 20 s"
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def close(self) -> None:
+        """Drop the connection (as a client that dies does), if it is still open."""
         self._task.cancel()
-        with suppress(asyncio.CancelledError):
-            await self._task
+        await asyncio.gather(self._task, return_exceptions=True)
         await self._client.aclose()
+
+    async def __aenter__(self) -> Watch:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     async def _read(self, joined: asyncio.Event) -> None:
         try:
@@ -413,19 +432,30 @@ class Watch:
                 self.status = response.status_code
                 if response.status_code != 200:
                     self.problem = json.loads(await response.aread())
+                    self.outcome = "refused"
                     return
-                fields: dict[str, str] = {}
-                async for line in response.aiter_lines():
-                    if line.startswith(":"):
-                        self.comments += 1
-                        joined.set()
-                    elif line:
-                        name, _, value = line.partition(":")
-                        fields[name] = value.removeprefix(" ")
-                    elif fields:
-                        data = json.loads(fields["data"])
-                        self.events.append(Event(fields["id"], fields["event"], data, time.time()))
-                        fields = {}
+                decoder, buffer = EventDecoder(), b""
+                async for chunk in response.aiter_bytes():
+                    buffer += chunk
+                    while b"\n" in buffer:
+                        raw, buffer = buffer.split(b"\n", 1)
+                        line = raw.decode()
+                        if line.startswith(":"):
+                            self.comments.append(time.monotonic())
+                            joined.set()
+                        sent = decoder.feed(line)
+                        if sent is None:
+                            continue
+                        assert sent.id is not None, sent
+                        self.events.append(Event(sent.id, sent.event, json.loads(sent.data), time.time()))
+                        if len(self.events) == self.stop_after:
+                            # Leaving the response unread closes its connection.
+                            self.mid_window = b"id:" in buffer
+                            self.outcome = "cut"
+                            return
+            self.outcome = "clean"
+        except httpx.HTTPError as exc:
+            self.outcome = repr(exc)
         finally:
             self.ended.set()
 
@@ -435,6 +465,16 @@ class Watch:
         while len(self.events) < count and not self.ended.is_set():
             assert time.monotonic() < deadline, f"{len(self.events)} events, not {count}: {self.kinds()}"
             await asyncio.sleep(0.02)
+        return self.events
+
+    async def quiet(self, for_seconds: float = 0.6, within: float = 20) -> list[Event]:
+        """The events, once none has come for `for_seconds` (AssertionError after `within` s)."""
+        deadline = time.monotonic() + within
+        count = -1
+        while count != len(self.events):
+            count = len(self.events)
+            await asyncio.sleep(for_seconds)
+            assert time.monotonic() < deadline, f"still busy after {within} s: {len(self.events)} events"
         return self.events
 
     def kinds(self) -> list[tuple[str, int]]:

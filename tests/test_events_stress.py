@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import random
 import time
 from collections import defaultdict
@@ -23,7 +22,7 @@ from helix_locks import keys
 from helix_locks.embedded import DIRECT_DATABASE_URL
 from tests.history import Grant, Renewed, check, database_history
 from tests.load import KEYS, Load
-from tests.support import Event, TcpProxy, logged_requests, running_service, tail
+from tests.support import Event, TcpProxy, Watch, logged_requests, running_service, tail
 from tests.test_events import FAST, replicas
 
 pytestmark = pytest.mark.anyio
@@ -33,105 +32,6 @@ STATE_CHANGES = ("acquired", "released", "forced", "reclaimed")
 TTL = 1.0  # the load's leases, the shortest the API takes
 Key = tuple[str, str]
 Change = tuple[str, int]  # (event type, lock id)
-
-
-class Stream:
-    """GET /v1/events read by a task: its events, when its keep-alive comments came, how it ended.
-
-    Opened, the stream is joined (its first comment came) or refused (`status`, `problem`).
-    `stop_after`: drop the connection right after reading that many events, even in the middle of
-    what the server sent at once (`mid_window` says so). `outcome` is None while it is open, then
-    "clean" (the body ended), "cut" (dropped by stop_after), "refused", or the transport error."""
-
-    def __init__(
-        self,
-        url: str,
-        key: str | None = None,
-        *,
-        last_event_id: str | None = None,
-        stop_after: int | None = None,
-        **params: str,
-    ) -> None:
-        self.url, self.params, self.stop_after = url, params, stop_after
-        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-        if last_event_id is not None:
-            self.headers["Last-Event-ID"] = last_event_id
-        self.events: list[Event] = []
-        self.comments: list[float] = []  # time.monotonic() of each
-        self.status = 0
-        self.problem: dict[str, Any] | None = None
-        self.outcome: str | None = None
-        self.mid_window = False
-        self.ended = asyncio.Event()
-
-    async def open(self) -> Stream:
-        self._client = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(10, read=30))
-        joined = asyncio.Event()
-        self._task = asyncio.create_task(self._read(joined))
-        waiting = asyncio.create_task(joined.wait())
-        await asyncio.wait([self._task, waiting], timeout=20, return_when=asyncio.FIRST_COMPLETED)
-        waiting.cancel()
-        assert joined.is_set() or self.ended.is_set(), "the stream neither opened nor was refused in 20 s"
-        return self
-
-    async def close(self) -> None:
-        """Drop the connection (as a client that dies does), if it is still open."""
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        await self._client.aclose()
-
-    async def __aenter__(self) -> Stream:
-        return await self.open()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def _read(self, joined: asyncio.Event) -> None:
-        try:
-            async with self._client.stream(
-                "GET", "/v1/events", params=self.params, headers=self.headers
-            ) as r:
-                self.status = r.status_code
-                if r.status_code != 200:
-                    self.problem = json.loads(await r.aread())
-                    self.outcome = "refused"
-                    return
-                buffer, fields = b"", {}
-                async for chunk in r.aiter_bytes():
-                    buffer += chunk
-                    while b"\n" in buffer:
-                        raw, buffer = buffer.split(b"\n", 1)
-                        line = raw.decode()
-                        if line.startswith(":"):
-                            self.comments.append(time.monotonic())
-                            joined.set()
-                        elif line:
-                            name, _, value = line.partition(":")
-                            fields[name] = value.removeprefix(" ")
-                        elif fields:
-                            data = json.loads(fields["data"])
-                            self.events.append(Event(fields["id"], fields["event"], data, time.time()))
-                            fields = {}
-                            if len(self.events) == self.stop_after:
-                                # Leaving the response unread closes its connection.
-                                self.mid_window = b"id:" in buffer
-                                self.outcome = "cut"
-                                return
-            self.outcome = "clean"
-        except httpx.HTTPError as exc:
-            self.outcome = repr(exc)
-        finally:
-            self.ended.set()
-
-    async def quiet(self, for_seconds: float = 0.6, within: float = 20) -> list[Event]:
-        """The events, once none has come for `for_seconds` (AssertionError after `within` s)."""
-        deadline = time.monotonic() + within
-        count = -1
-        while count != len(self.events):
-            count = len(self.events)
-            await asyncio.sleep(for_seconds)
-            assert time.monotonic() < deadline, f"still busy after {within} s: {len(self.events)} events"
-        return self.events
 
 
 def lock_key(event: Event) -> Key:
@@ -328,9 +228,9 @@ async def test_every_watcher_on_every_replica_sees_the_database_s_history_under_
     started = time.monotonic()
     with replicas(db_url, tmp_path, count=3) as urls:
         async with AsyncExitStack() as stack:
-            everything = [await stack.enter_async_context(Stream(url, admin)) for url in urls]
+            everything = [await stack.enter_async_context(Watch(url, admin)) for url in urls]
             acme = [
-                await stack.enter_async_context(Stream(url, admin, organization_id="acme")) for url in urls
+                await stack.enter_async_context(Watch(url, admin, organization_id="acme")) for url in urls
             ]
             load = Load(urls, clients=18, ttl=TTL, api_key=admin, name="racer").start()
             try:
@@ -355,7 +255,7 @@ async def test_every_watcher_on_every_replica_sees_the_database_s_history_under_
             organization=organization,
             ran_out_by=ran_out_by,
         )
-        assert violations == [], f"{stream.url} {stream.params}:\n" + "\n".join(violations[:20])
+        assert violations == [], f"{stream.base_url} {stream.params}:\n" + "\n".join(violations[:20])
     # The checker is not blind: each copy of a stream made wrong in one way fails it.
     for mutation, copy in mutants(everything[0].events):
         assert judge(copy, grants, renewed=run.renewed, ttl=TTL, ran_out_by=ran_out_by), mutation
@@ -406,9 +306,9 @@ async def test_a_watch_cut_again_and_again_and_resumed_on_other_replicas_misses_
     rng = random.Random(11)
     started = time.monotonic()
     with replicas(db_url, tmp_path, count=3) as urls:
-        async with Stream(urls[0]) as whole:
-            leg = await Stream(urls[0], stop_after=CUTS[0]).open()
-            legs: list[Stream] = []
+        async with Watch(urls[0]) as whole:
+            leg = await Watch(urls[0], stop_after=CUTS[0]).open()
+            legs: list[Watch] = []
             load = Load(urls, clients=8, ttl=TTL, name="cutter").start()
             bursts = asyncio.create_task(burst(urls, rng))
             try:
@@ -421,7 +321,7 @@ async def test_a_watch_cut_again_and_again_and_resumed_on_other_replicas_misses_
                     # Each time on the next replica: never the one it was cut from.
                     url = urls[(n + 1) % len(urls)]
                     stop_after = CUTS[n + 1] if n + 1 < len(CUTS) else None
-                    leg = await Stream(url, last_event_id=leg.events[-1].id, stop_after=stop_after).open()
+                    leg = await Watch(url, last_event_id=leg.events[-1].id, stop_after=stop_after).open()
                     assert leg.status == 200, leg.problem
             finally:
                 bursts.cancel()
@@ -504,7 +404,7 @@ async def test_watchers_ride_out_a_database_outage_and_a_resume_afterwards_misse
 
 async def refused_quickly(url: str, quickly: float, last_event_id: str | None = None) -> None:
     began = time.monotonic()
-    async with Stream(url, last_event_id=last_event_id) as refused:
+    async with Watch(url, last_event_id=last_event_id) as refused:
         took = time.monotonic() - began
         assert refused.status == 503 and refused.problem is not None, refused.outcome
         assert refused.problem["type"] == "urn:helix-locks:problem:database-unavailable"
@@ -520,9 +420,9 @@ async def outage_under_watchers(db_url: str, proxies: list[TcpProxy], urls: list
     writer = Writer(one)
     async with (
         httpx.AsyncClient(timeout=30) as http,
-        Stream(one) as on_one,
-        Stream(two) as on_two,
-        Stream(one) as dropped,
+        Watch(one) as on_one,
+        Watch(two) as on_two,
+        Watch(one) as dropped,
     ):
         for job, ttl in (("kept", 30.0), ("released", 30.0), ("lapses", 2.0)):
             assert (await writer.acquire(http, job, ttl)).status_code == 201
@@ -574,7 +474,7 @@ async def outage_under_watchers(db_url: str, proxies: list[TcpProxy], urls: list
         await asyncio.sleep(1.5)  # "lapses" ran out during the outage: its expiry is sent by now
         ran_out_by = datetime.now(UTC) - timedelta(seconds=1)
 
-        async with Stream(two, last_event_id=last_seen) as resumed:
+        async with Watch(two, last_event_id=last_seen) as resumed:
             assert resumed.status == 200, resumed.problem
             await resumed.quiet()
         judged = {"dropped and resumed": dropped.events + resumed.events}
@@ -584,7 +484,7 @@ async def outage_under_watchers(db_url: str, proxies: list[TcpProxy], urls: list
             else:  # ended: it resumes, on the other replica, from its last event
                 other = two if stream is on_one else one
                 last = stream.events[-1].id if stream.events else None
-                async with Stream(other, last_event_id=last) as again:
+                async with Watch(other, last_event_id=last) as again:
                     judged[name] = stream.events + await again.quiet()
     grants = database_history(db_url)
     [lapsed] = [grant.lock_id for grant in grants if grant.key == ("acme", "lapses")]
