@@ -116,9 +116,11 @@ class OrganizationWaitersFull(LockError):
 
 @dataclass
 class TooManyWatchers(LockError):
-    """This process already streams as many event watchers as it allows."""
+    """This process already streams as many event watchers as it allows, or reads as many
+    resumes at once."""
 
     limit: int
+    what: str = "event streams open"
 
 
 @dataclass

@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 # xmin:xmax:xip,... as PostgreSQL writes a pg_snapshot.
 _SNAPSHOT = re.compile(r"([0-9]{1,20}):([0-9]{1,20}):((?:[0-9]{1,20}(?:,[0-9]{1,20})*)?)")
 KEEP_ALIVE = b": keep-alive\n\n"
+# Resumes whose replays one process reads at once (each on a pooled connection).
+REPLAYS_AT_ONCE = 2
 # How often the reader checks that each watcher's API key still works.
 _KEY_CHECK_SECONDS = 1.0
 
@@ -183,7 +185,6 @@ class EventHub:
         backlog: int,
         keep: timedelta | None,
         keepalive_seconds: float,
-        replays: int = 2,
     ) -> None:
         self.db = db
         self.keys = keys
@@ -198,7 +199,7 @@ class EventHub:
         self._per_organization: Counter[str | None] = Counter()
         self._reader: asyncio.Task[None] | None = None
         # Replays run on pooled connections: at most a few at once, so that requests keep theirs.
-        self._replays = asyncio.Semaphore(replays)
+        self._replays = asyncio.Semaphore(REPLAYS_AT_ONCE)
         self._closed = False
 
     @property
@@ -335,7 +336,7 @@ class EventHub:
             async with asyncio.timeout(self.db.deadline_seconds):  # the replays ahead of it
                 await self._replays.acquire()
         except TimeoutError as exc:
-            raise TooManyWatchers(self.max_watchers) from exc
+            raise TooManyWatchers(REPLAYS_AT_ONCE, "resumes being read") from exc
         try:
             rows = await self.db.fetch_all(queries.EVENTS, params)
         except InvalidRequest as exc:  # PostgreSQL refused a snapshot

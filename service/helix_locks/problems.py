@@ -289,9 +289,10 @@ KINDS: Mapping[type[LockError], Kind] = {
         "too-many-watchers",
         "Too many watchers",
         "This service process already streams events to as many watchers as it allows"
-        " (HELIX_LOCKS_MAX_WATCHERS); try again after Retry-After, perhaps on another replica.",
+        " (HELIX_LOCKS_MAX_WATCHERS), or reads as many resumes (Last-Event-ID) at once; try again"
+        " after Retry-After, perhaps on another replica.",
         TooManyWatchers(10_000),
-        lambda exc: f"This service process already streams events to {exc.limit} watchers; try again.",
+        lambda exc: f"This service process already has {exc.limit} {exc.what}; try again.",
         headers=_SOON,
     ),
     WaitInterrupted: Kind(
