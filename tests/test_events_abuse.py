@@ -255,3 +255,83 @@ async def test_a_lease_granted_by_a_slow_commit_still_gets_its_expired_event(
             await watch.until(1, within=5)
             await asyncio.sleep(1.5)
     assert watch.kinds() == [("acquired", lock_id), ("expired", lock_id)], (watch.kinds(), expires_at)
+
+
+async def _first_event_id(url: str, http: httpx.AsyncClient, key: str, org: str) -> str:
+    async with Watch(url, key=key) as own:
+        lock = await acquire(http, key, org=org, job="first")
+        [event] = await own.until(1)
+        await release(http, lock, key)
+        await own.until(2)
+    return event.id
+
+
+# A resume's replay and its bridge to the reader's windows reach the watcher whole, whatever the
+# backlog (it cannot read before it joins): neither ends it, nor the reader, nor another
+# organization's streams.
+
+
+async def test_a_resume_whose_bridge_overflows_the_backlog_does_not_end_other_organizations_streams(
+    db_url: str, tmp_path: Path
+) -> None:
+    acme, mallory = keys.create(db_url, "acme"), keys.create(db_url, "mallory")
+    with replicas(
+        db_url,
+        tmp_path,
+        HELIX_LOCKS_EVENTS_BACKLOG="5",
+        HELIX_LOCKS_EVENTS_REPLAY_LIMIT="100",
+        HELIX_LOCKS_EVENTS_POLL_MS="1000",
+    ) as [url]:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            event_id = await _first_event_id(url, http, mallory, "mallory")
+            # Four events after it: a replay well within the backlog and the replay limit.
+            await release(http, await acquire(http, mallory, org="mallory", job="a"), mallory)
+            await release(http, await acquire(http, mallory, org="mallory", job="b"), mallory)
+            async with Watch(url, key=acme) as victim:
+                # Mallory's workers go on while it resumes: its bridge holds what they did between
+                # the replay's snapshot and the reader's next read (up to a poll, a second).
+                resume = Watch(url, key=mallory, last_event_id=event_id)
+                opening = asyncio.create_task(resume.open())
+                n = 0
+                while not opening.done():
+                    await release(http, await acquire(http, mallory, org="mallory", job=f"w{n}"), mallory)
+                    n += 1
+                await opening
+                await asyncio.sleep(1.5)
+                victim_ended = victim.ended.is_set()
+                await acquire(http, acme, job="after")
+                got = await victim.quiet(0.5, within=5)
+                await resume.close()
+        log = (tmp_path / "s0.log").read_text()
+    assert "event reader failed" not in log, log[log.find("event reader failed") :][:1500]
+    assert not victim_ended, "mallory's resume ended acme's stream"
+    assert [e.type for e in got] == ["acquired"], [e.type for e in got]
+    # A replay within the limits reaches a watcher that could not take anything yet.
+    assert resume.status == 200, (resume.status, resume.problem)
+
+
+# One replay of an organization at a time: its many resumes queue behind each other, and another
+# organization's resume waits for at most the replays already being read.
+
+
+async def test_one_organization_s_resumes_do_not_starve_another_organization_s_resume(
+    db_url: str, tmp_path: Path
+) -> None:
+    acme, mallory = keys.create(db_url, "acme"), keys.create(db_url, "mallory")
+    with replicas(db_url, tmp_path) as [url]:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            acme_id = await _first_event_id(url, http, acme, "acme")
+            mallory_id = await _first_event_id(url, http, mallory, "mallory")
+            # A busy service's history after both ids (other organizations).
+            history(db_url, organizations=20, locks=10_000)
+            resumes = [Watch(url, key=mallory, last_event_id=mallory_id) for _ in range(100)]
+            opening = asyncio.gather(*(resume.open() for resume in resumes))
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            async with Watch(url, key=acme, last_event_id=acme_id) as honest:
+                took = time.monotonic() - started
+                status, problem = honest.status, honest.problem
+            await opening
+            await asyncio.gather(*(resume.close() for resume in resumes))
+    assert status == 200, (status, problem, f"after {took:.1f} s")
+    assert took < 1.0, f"acme's resume waited {took:.1f} s behind mallory's resumes"

@@ -200,6 +200,8 @@ class EventHub:
         self._reader: asyncio.Task[None] | None = None
         # Replays run on pooled connections: at most a few at once, so that requests keep theirs.
         self._replays = asyncio.Semaphore(REPLAYS_AT_ONCE)
+        self._replaying: dict[str | None, asyncio.Lock] = {}  # one replay per organization at once
+        self._replaying_count: Counter[str | None] = Counter()
         self._closed = False
 
     @property
@@ -332,21 +334,31 @@ class EventHub:
         reader's next window to bridge from the replay's end."""
         start = (resume.after, resume.after_at, watcher.organization_id, watcher.job_type)
         params = _starts([start], seen=(resume.until, resume.until_at), limit=self.replay_limit)
+        # One replay of an organization at a time, and REPLAYS_AT_ONCE in all: an organization's
+        # many resumes queue behind each other, not in front of another organization's.
+        organization = watcher.caller.organization_id
+        turn = self._replaying.setdefault(organization, asyncio.Lock())
+        self._replaying_count[organization] += 1
         try:
-            async with asyncio.timeout(self.db.deadline_seconds):  # the replays ahead of it
-                await self._replays.acquire()
-        except TimeoutError as exc:
-            raise TooManyWatchers(REPLAYS_AT_ONCE, "resumes being read") from exc
-        try:
-            rows = await self.db.fetch_all(queries.EVENTS, params)
-        except InvalidRequest as exc:  # PostgreSQL refused a snapshot
-            raise InvalidArgument("Last-Event-ID", "not an event id of this service") from exc
-        except DatabaseUnavailable as exc:
-            if isinstance(exc.__cause__, psycopg.errors.QueryCanceled):
-                raise EventsExpired("replaying what followed it takes longer than a statement may") from exc
-            raise
+            try:
+                async with asyncio.timeout(self.db.deadline_seconds):  # the replays ahead of it
+                    await turn.acquire()
+                    try:
+                        await self._replays.acquire()
+                    except BaseException:
+                        turn.release()
+                        raise
+            except TimeoutError as exc:
+                raise TooManyWatchers(REPLAYS_AT_ONCE, "resumes being read") from exc
+            try:
+                rows = await self._replay_rows(params)
+            finally:
+                self._replays.release()
+                turn.release()
         finally:
-            self._replays.release()
+            self._replaying_count[organization] -= 1
+            if not self._replaying_count[organization]:
+                del self._replaying_count[organization], self._replaying[organization]
         until, until_at = rows[0]["snapshot"], rows[0]["until_at"]
         if _xmax(resume.until) > _xmax(until):
             # A window this database has not reached: made up, or read before a failover to a
@@ -365,8 +377,18 @@ class EventHub:
             for row in found
             if not (row["seen"] and (row["id"], utc(row["at"]), row["rank"]) <= resume.place)
         ]
-        self._send(watcher, replayed, whole=True)
+        self._send(watcher, replayed, joining=True)
         watcher.bridge = (until, until_at)
+
+    async def _replay_rows(self, params: dict[str, list[Any]]) -> list[DictRow]:
+        try:
+            return await self.db.fetch_all(queries.EVENTS, params)
+        except InvalidRequest as exc:  # PostgreSQL refused a snapshot
+            raise InvalidArgument("Last-Event-ID", "not an event id of this service") from exc
+        except DatabaseUnavailable as exc:
+            if isinstance(exc.__cause__, psycopg.errors.QueryCanceled):
+                raise EventsExpired("replaying what followed it takes longer than a statement may") from exc
+            raise
 
     async def _next(self, window: tuple[str, datetime]) -> tuple[str, datetime]:
         """Read the next window, send its events, and answer the resumes waiting; the new window."""
@@ -408,20 +430,21 @@ class EventHub:
         for n, watcher in enumerate(bridging, start=2):
             assert watcher.bridge is not None
             bridge = (*watcher.bridge, until, until_at)
-            self._send(
-                watcher, [_event(row, bridge) for row in by_start.get(n, []) if row["event"] is not None]
-            )
-            watcher.joined.set_result(None)
+            found = [row for row in by_start.get(n, []) if row["event"] is not None]
+            self._send(watcher, [_event(row, bridge) for row in found], joining=True)
+            if not watcher.joined.done():
+                watcher.joined.set_result(None)
         self._join_fresh()
         return until, until_at
 
-    def _send(self, watcher: Watcher, events: list[Event], *, whole: bool = False) -> None:
+    def _send(self, watcher: Watcher, events: list[Event], *, joining: bool = False) -> None:
         """Queue the events for the watcher; one that has left more than the backlog unread is
-        ended (it resumes from the last event it took). A read's events, or a replay (whole),
-        always reach a watcher that has taken everything before them."""
+        ended (it resumes from the last event it took). A read's events always reach a watcher
+        that has taken everything before them, and a replay and its bridge (joining, before the
+        watcher can read; bounded by the replay limit and one read) always reach it."""
         if not events or watcher.ended:
             return
-        if watcher.backlog and (whole or watcher.backlog + len(events) > self.backlog):
+        if not joining and watcher.backlog and watcher.backlog + len(events) > self.backlog:
             self.leave(watcher)
             return
         watcher.backlog += len(events)
