@@ -25,6 +25,15 @@ pytestmark = pytest.mark.anyio
 # alone: it neither ends, stalls nor fails the streams of other watchers in the same process.
 
 
+async def _first_event_id(url: str, http: httpx.AsyncClient, key: str, org: str) -> str:
+    async with Watch(url, key=key) as own:
+        lock = await acquire(http, key, org=org, job="first")
+        [event] = await own.until(1)
+        await release(http, lock, key)
+        await own.until(2)
+    return event.id
+
+
 def forged(after: str, until: str) -> str:
     now = datetime.now(UTC).isoformat()
     raw = [after, now, until, now, 1, now, 0]
@@ -122,16 +131,13 @@ async def test_resumes_of_one_organization_do_not_delay_another_organizations_li
     acme, mallory = keys.create(db_url, "acme"), keys.create(db_url, "mallory")
     with replicas(db_url, tmp_path) as [url]:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-            async with Watch(url, key=mallory) as own:
-                lock = await acquire(http, mallory, org="mallory")
-                [event] = await own.until(1)
-                await release(http, lock, mallory)
+            mallory_id = await _first_event_id(url, http, mallory, "mallory")
             # An hour of a busy service's history (other organizations), after mallory's id.
             history(db_url, organizations=20, locks=10_000)
             async with Watch(url, key=acme) as victim:
                 # Mallory resumes from its (genuine, recent) id, a hundred times at once, which its
                 # watcher limit (1,000) allows: each replays one event, after reading the history.
-                resumes = [Watch(url, key=mallory, last_event_id=event.id) for _ in range(100)]
+                resumes = [Watch(url, key=mallory, last_event_id=mallory_id) for _ in range(100)]
                 opening = asyncio.gather(*(resume.__aenter__() for resume in resumes))
                 await asyncio.sleep(0.3)
                 started = time.monotonic()
@@ -255,15 +261,6 @@ async def test_a_lease_granted_by_a_slow_commit_still_gets_its_expired_event(
             await watch.until(1, within=5)
             await asyncio.sleep(1.5)
     assert watch.kinds() == [("acquired", lock_id), ("expired", lock_id)], (watch.kinds(), expires_at)
-
-
-async def _first_event_id(url: str, http: httpx.AsyncClient, key: str, org: str) -> str:
-    async with Watch(url, key=key) as own:
-        lock = await acquire(http, key, org=org, job="first")
-        [event] = await own.until(1)
-        await release(http, lock, key)
-        await own.until(2)
-    return event.id
 
 
 # A resume's replay and its bridge to the reader's windows reach the watcher whole, whatever the

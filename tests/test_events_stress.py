@@ -394,12 +394,15 @@ async def test_watchers_ride_out_a_database_outage_and_a_resume_afterwards_misse
         for n in range(2):
             serving = running_service(env=env, log=tmp_path / f"s{n}.log")
             urls.append((await asyncio.to_thread(services.enter_context, serving))[0])
-        await outage_under_watchers(db_url, proxies, urls, outage)
+        missed = await outage_under_watchers(db_url, proxies, urls, outage)
     finally:
         await asyncio.to_thread(services.close)
         for proxy in proxies:
             await proxy.cut()
     no_errors_logged(tmp_path)
+    # At least what came after the outage: two expiries, the reclaim, a grant and its release, and
+    # the reclaiming grant (the release just before the outage may have reached it before it left).
+    assert len(missed) >= 6, f"the resume brought back what was missed: {missed}"
 
 
 async def refused_quickly(url: str, quickly: float, last_event_id: str | None = None) -> None:
@@ -411,10 +414,12 @@ async def refused_quickly(url: str, quickly: float, last_event_id: str | None = 
     assert took < quickly, f"a watch was refused after {took:.1f} s"
 
 
-async def outage_under_watchers(db_url: str, proxies: list[TcpProxy], urls: list[str], outage: str) -> None:
+async def outage_under_watchers(
+    db_url: str, proxies: list[TcpProxy], urls: list[str], outage: str
+) -> list[tuple[str, int]]:
     """Watchers on both replicas, and one that leaves during the outage and comes back after it;
     changes right before and right after; the database away meanwhile (the proxy in front of it
-    cut, then put back on the same port)."""
+    cut, then put back on the same port). Returns what the one that left got back on resuming."""
     one, two = urls
     proxy = proxies[0]
     writer = Writer(one)
@@ -493,5 +498,5 @@ async def outage_under_watchers(db_url: str, proxies: list[TcpProxy], urls: list
         assert violations == [], f"{name}:\n" + "\n".join(violations)
         assert ("expired", lapsed) in [(event.type, event.data["lock"]["id"]) for event in events], name
     missed = [(event.type, event.data["lock"]["id"]) for event in resumed.events]
-    assert len(missed) >= 7, f"the resume brought back what was missed: {missed}"
     print(f"through the outage: {on_one.outcome or 'open'}, {on_two.outcome or 'open'}; resumed: {missed}")
+    return missed

@@ -9,7 +9,7 @@ import binascii
 import json
 import logging
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -105,11 +105,6 @@ class Watcher:
     backlog: int = 0  # events queued and not yet taken
     ended: bool = False
 
-    def sees(self, event: Event) -> bool:
-        return (self.organization_id is None or event.organization_id == self.organization_id) and (
-            self.job_type is None or event.job_type == self.job_type
-        )
-
     def end(self) -> None:
         if not self.ended:
             self.ended = True
@@ -200,8 +195,8 @@ class EventHub:
         self._reader: asyncio.Task[None] | None = None
         # Replays run on pooled connections: at most a few at once, so that requests keep theirs.
         self._replays = asyncio.Semaphore(REPLAYS_AT_ONCE)
-        self._replaying: dict[str | None, asyncio.Lock] = {}  # one replay per organization at once
-        self._replaying_count: Counter[str | None] = Counter()
+        # One replay per organization at once (a lock for each organization that resumed).
+        self._replaying: defaultdict[str | None, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._closed = False
 
     @property
@@ -239,12 +234,8 @@ class EventHub:
         try:
             if resume is not None:
                 await self._replay(watcher, resume)
-        except BaseException:
-            self.leave(watcher)
-            raise
-        if self._reader is None or self._reader.done():
-            self._reader = asyncio.create_task(self._read(), name="helix-locks-events")
-        try:
+            if self._reader is None or self._reader.done():
+                self._reader = asyncio.create_task(self._read(), name="helix-locks-events")
             await watcher.joined
         except BaseException:
             self.leave(watcher)
@@ -336,29 +327,22 @@ class EventHub:
         params = _starts([start], seen=(resume.until, resume.until_at), limit=self.replay_limit)
         # One replay of an organization at a time, and REPLAYS_AT_ONCE in all: an organization's
         # many resumes queue behind each other, not in front of another organization's.
-        organization = watcher.caller.organization_id
-        turn = self._replaying.setdefault(organization, asyncio.Lock())
-        self._replaying_count[organization] += 1
+        turn = self._replaying[watcher.caller.organization_id]
         try:
-            try:
-                async with asyncio.timeout(self.db.deadline_seconds):  # the replays ahead of it
-                    await turn.acquire()
-                    try:
-                        await self._replays.acquire()
-                    except BaseException:
-                        turn.release()
-                        raise
-            except TimeoutError as exc:
-                raise TooManyWatchers(REPLAYS_AT_ONCE, "resumes being read") from exc
-            try:
-                rows = await self._replay_rows(params)
-            finally:
-                self._replays.release()
-                turn.release()
+            async with asyncio.timeout(self.db.deadline_seconds):  # the replays ahead of it
+                await turn.acquire()
+                try:
+                    await self._replays.acquire()
+                except BaseException:
+                    turn.release()
+                    raise
+        except TimeoutError as exc:
+            raise TooManyWatchers(REPLAYS_AT_ONCE, "resumes being read") from exc
+        try:
+            rows = await self._replay_rows(params)
         finally:
-            self._replaying_count[organization] -= 1
-            if not self._replaying_count[organization]:
-                del self._replaying_count[organization], self._replaying[organization]
+            self._replays.release()
+            turn.release()
         until, until_at = rows[0]["snapshot"], rows[0]["until_at"]
         if _xmax(resume.until) > _xmax(until):
             # A window this database has not reached: made up, or read before a failover to a
@@ -418,14 +402,11 @@ class EventHub:
         # of a lookup, however many watch.
         scopes: dict[tuple[str | None, str | None], list[Event]] = {(None, None): live}
         for event in live:
-            scopes.setdefault((event.organization_id, None), []).append(event)
+            for scope in ((event.organization_id, None), (None, event.job_type)):
+                scopes.setdefault(scope, []).append(event)
             scopes.setdefault((event.organization_id, event.job_type), []).append(event)
         for watcher in list(self._watchers):
-            if not watcher.joined.done():
-                continue
-            if watcher.organization_id is None and watcher.job_type is not None:  # an admin's, rare
-                self._send(watcher, [event for event in live if watcher.sees(event)])
-            else:
+            if watcher.joined.done():
                 self._send(watcher, scopes.get((watcher.organization_id, watcher.job_type), []))
         for n, watcher in enumerate(bridging, start=2):
             assert watcher.bridge is not None
