@@ -86,6 +86,7 @@ async def acquire(body: AcquireBody) -> Granted:
         "ttl_ms": round(body.ttl_seconds * 1000),
         "metadata": None,
         "idempotency_key": None,
+        "max_holders": 1,
     }
     async with pools[0].connection() as conn:
         try:

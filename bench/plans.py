@@ -112,6 +112,7 @@ def check_listing_plans(url: str) -> str:
                     "limit": 51,
                     "after_organization_id": org if cursor else None,
                     "after_job_type": job_type if cursor else None,
+                    "after_slot": 0 if cursor else None,
                     "after_released_at": released_at if cursor else None,
                     "after_id": lock_id if cursor else None,
                 }

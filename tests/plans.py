@@ -31,6 +31,7 @@ TYPES = {
     "limit": "bigint",
     "after_organization_id": "text",
     "after_job_type": "text",
+    "after_slot": "integer",
     "after_released_at": "timestamptz",
     "after_id": "bigint",
 }

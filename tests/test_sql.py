@@ -30,6 +30,7 @@ def acquire(
     ttl_ms: int = 30_000,
     key: tuple[str, str] = ("org", "job"),
     idempotency_key: str | None = None,
+    max_holders: int = 1,
 ) -> dict[str, Any]:
     organization_id, job_type = key
     rows = (
@@ -43,6 +44,7 @@ def acquire(
                 "ttl_ms": ttl_ms,
                 "metadata": None,
                 "idempotency_key": idempotency_key,
+                "max_holders": max_holders,
             },
         )
         .fetchall()

@@ -27,6 +27,7 @@ from helix_locks.errors import (
     LockEnded,
     LockHeld,
     LockNotFound,
+    MaxHoldersMismatch,
     OrganizationWaitersFull,
     OrganizationWatchersFull,
     QuotaExceeded,
@@ -208,6 +209,7 @@ router = APIRouter(prefix="/v1", tags=["locks"])
             Unauthenticated,
             Forbidden,
             LockHeld,
+            MaxHoldersMismatch,
             UnsupportedMediaType,
             InvalidRequest,
             OrganizationWaitersFull,
@@ -250,14 +252,20 @@ async def acquire(
             # Scoped to the caller's API key: another key's repeat is a different request.
             None if idempotency_key is None else f"{caller.key_id or 'anonymous'}/{idempotency_key}",
             waiting=body.wait_seconds > 0,
+            max_holders=body.max_holders,
         )
 
-    if body.wait_seconds > 0:
-        # Before queueing: another organization's waiting slots and line are not this key's to take.
-        caller.may_act_in(body.organization_id)
-        grant = await _wait_for(request, body, attempt, locks, caller)
-    else:
-        grant = await attempt()
+    try:
+        if body.wait_seconds > 0:
+            # Before queueing: another organization's waiting slots and line are not this key's to take.
+            caller.may_act_in(body.organization_id)
+            grant = await _wait_for(request, body, attempt, locks, caller)
+        else:
+            grant = await attempt()
+    except LockHeld as held:
+        if held.max_holders > 1:  # every slot of a semaphore held: counted apart from a conflict
+            answered.result = "full"
+        raise
     logs.bind(lock_id=grant.lock.id, fencing_token=grant.lock.fencing_token)
     answered.result = "reclaimed" if grant.reclaimed else "granted"
     if grant.reclaimed:  # its worker died holding it, or stalled past its lease
@@ -357,10 +365,24 @@ async def list_locks(
         Unauthenticated, Forbidden, LockNotFound, InvalidRequest, DatabaseUnavailable
     ),
 )
-async def current(request: Request, organization_id: Identifier, job_type: Identifier) -> Response:
+async def current(
+    request: Request,
+    organization_id: Identifier,
+    job_type: Identifier,
+    slot: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            le=999,
+            description="Of a semaphore (max_holders > 1): the lock held in this slot. Without it: the"
+            " held lock with the highest fencing token.",
+        ),
+    ] = None,
+) -> Response:
     """The lock held now for the key (404 when none is, a lapsed lease included)."""
     session = await authorized(request)
-    return json_body(LockBody.of(await session.locks.current(session.caller, organization_id, job_type)))
+    lock = await session.locks.current(session.caller, organization_id, job_type, slot)
+    return json_body(LockBody.of(lock))
 
 
 @router.get(

@@ -18,11 +18,13 @@ from helix_locks import queries
 from helix_locks.errors import (
     DatabaseUnavailable,
     EmptyResult,
+    Holder,
     InvalidArgument,
     LockEnded,
     LockError,
     LockHeld,
     LockNotFound,
+    MaxHoldersMismatch,
     QuotaExceeded,
     TokenMismatch,
 )
@@ -45,12 +47,20 @@ def _time(value: Any) -> datetime | None:
 
 
 def _lock_held(exc: psycopg.Error) -> LockError:
+    """A full pair, or (migration 0017) held locks of another max_holders."""
     detail = _detail(exc)
+    if detail.get("max_holders_in_force") is not None:
+        return MaxHoldersMismatch(int(detail["max_holders_in_force"]))
     return LockHeld(
         lock_id=detail.get("lock_id"),
         holder=detail.get("holder"),
         expires_at=_time(detail.get("expires_at")),
         retry_after_seconds=int(detail.get("retry_after_seconds", 1)),
+        holders=[
+            Holder(h["lock_id"], h["holder"], h["slot"], datetime.fromisoformat(h["expires_at"]))
+            for h in detail.get("holders") or ()
+        ],
+        max_holders=int(detail.get("max_holders") or 1),
     )
 
 

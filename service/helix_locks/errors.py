@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 
@@ -10,14 +10,34 @@ class LockError(Exception):
     """Base of every error the domain reports to its callers."""
 
 
+@dataclass(frozen=True)
+class Holder:
+    """One held lock of a full pair: its id, holder, slot and lease's end."""
+
+    lock_id: int
+    holder: str
+    slot: int
+    expires_at: datetime
+
+
 @dataclass
 class LockHeld(LockError):
-    """A live, unexpired lock holds the key."""
+    """Live, unexpired locks hold every slot of the key (one, unless it is a semaphore); lock_id,
+    holder and expires_at name the one whose lease runs out first."""
 
     lock_id: int | None
     holder: str | None
     expires_at: datetime | None
     retry_after_seconds: int
+    holders: list[Holder] = field(default_factory=list)
+    max_holders: int = 1
+
+
+@dataclass
+class MaxHoldersMismatch(LockError):
+    """The key's held locks share another max_holders than the acquire named."""
+
+    max_holders: int
 
 
 @dataclass

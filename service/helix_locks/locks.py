@@ -42,6 +42,8 @@ class Lock:
     state: State
     ttl_remaining_ms: int
     metadata: dict[str, Any] | None
+    max_holders: int
+    slot: int
 
     @classmethod
     def from_row(cls, row: DictRow) -> Lock:
@@ -93,15 +95,26 @@ def _encode_cursor(state: State | None, key: list[Any]) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
+# Above every slot: a cursor of a build before semaphores named a key, all of whose locks were seen.
+_AFTER_EVERY_SLOT = 1000
+
+
 def _decode_cursor(cursor: str, state: State | None, live: bool) -> list[Any]:
     """The key a cursor carries, typed; InvalidArgument unless this kind of listing made it."""
     try:
         data = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
-        first, second = data["k"]
+        first, second, *rest = data["k"]
         if data["s"] != state:
             raise ValueError("cursor of another state")
         if live and _is_text(first) and _is_text(second):
-            return [first, second]
+            match rest:
+                case []:
+                    return [first, second, _AFTER_EVERY_SLOT]
+                case [int() as slot] if not isinstance(slot, bool) and 0 <= slot < _AFTER_EVERY_SLOT:
+                    return [first, second, slot]
+            raise ValueError("cursor slot out of range")
+        if rest:
+            raise ValueError("cursor key of the wrong shape")
         if not live and isinstance(second, int) and not isinstance(second, bool) and 0 < second < 2**63:
             moment = datetime.fromisoformat(first)
             if moment.tzinfo is None:
@@ -178,12 +191,14 @@ class LiveLockQuota:
         self._counts: dict[str, _Count] = {}
         self._gates: dict[str, tuple[asyncio.Lock, int]] = {}  # and how many use it
 
-    async def admit(self, organization_id: str, job_type: str, *, waiting: bool = False) -> bool:
+    async def admit(
+        self, organization_id: str, job_type: str, max_holders: int = 1, *, waiting: bool = False
+    ) -> bool:
         """True if the acquire may go by the count (room reserved: settle it with `settled`);
         False if it must go the exact way. QuotaExceeded if the database refused this
         organization an acquire a moment ago and this one could add a live lock."""
         if self._full(organization_id, waiting):
-            await self.refuse_if_it_adds(organization_id, job_type)
+            await self.refuse_if_it_adds(organization_id, job_type, max_holders)
             return False
         now = time.monotonic()
         count = self._counts.get(organization_id)
@@ -208,16 +223,19 @@ class LiveLockQuota:
         count = self._counts.get(organization_id)
         return count is not None and time.monotonic() < count.full_until and not waiting
 
-    async def refuse_if_it_adds(self, organization_id: str, job_type: str) -> None:
-        """QuotaExceeded unless the key has a live lock (an acquire of it adds none)."""
+    async def refuse_if_it_adds(self, organization_id: str, job_type: str, max_holders: int) -> None:
+        """QuotaExceeded unless an acquire of the key would add no live lock."""
         row = await self.db.fetch_first(
-            queries.KEY_IS_LIVE, {"organization_id": organization_id, "job_type": job_type}
+            queries.ADDS_NO_LIVE_LOCK,
+            {"organization_id": organization_id, "job_type": job_type, "max_holders": max_holders},
         )
-        if not row["live"]:
+        if not row["adds_none"]:
             raise QuotaExceeded(self.limit)
 
     @asynccontextmanager
-    async def exactly(self, organization_id: str, job_type: str, *, waiting: bool) -> AsyncIterator[None]:
+    async def exactly(
+        self, organization_id: str, job_type: str, max_holders: int, *, waiting: bool
+    ) -> AsyncIterator[None]:
         """Around an acquire the exact way: one at a time per organization in this process, so
         that those waiting for their turn hold no pooled connection (a burst at one
         organization's quota must not take the pool from the others), and each one whose turn
@@ -227,7 +245,7 @@ class LiveLockQuota:
         try:
             async with gate:
                 if self._full(organization_id, waiting):
-                    await self.refuse_if_it_adds(organization_id, job_type)
+                    await self.refuse_if_it_adds(organization_id, job_type, max_holders)
                 yield
         finally:
             gate, users = self._gates[organization_id]
@@ -284,12 +302,14 @@ class Locks:
         metadata: dict[str, Any] | None,
         idempotency_key: str | None = None,
         waiting: bool = False,
+        max_holders: int = 1,
     ) -> Grant:
-        """Grant the lock, or raise LockHeld. A repeat with the same idempotency key, while the
-        lock it got is live, answers that same grant. `waiting`: an attempt of a waiting acquire,
-        woken by a release (no refusal for the quota on what was known before it)."""
+        """Grant the lock (a free slot of up to max_holders), or raise LockHeld (every slot held)
+        or MaxHoldersMismatch (held with another max_holders). A repeat with the same idempotency
+        key, while the lock it got is live, answers that same grant. `waiting`: an attempt of a
+        waiting acquire, woken by a release (no refusal for the quota on what was known before it)."""
         caller.may_act_in(organization_id)
-        reserved = await self.quota.admit(organization_id, job_type, waiting=waiting)
+        reserved = await self.quota.admit(organization_id, job_type, max_holders, waiting=waiting)
         params: dict[str, Any] = {
             "organization_id": organization_id,
             "job_type": job_type,
@@ -297,6 +317,7 @@ class Locks:
             "ttl_ms": ttl_ms,
             "metadata": None if metadata is None else Jsonb(metadata),
             "idempotency_key": idempotency_key,
+            "max_holders": max_holders,
         }
         added = False
         try:
@@ -304,7 +325,7 @@ class Locks:
                 row = await self.db.fetch_first(queries.ACQUIRE, params)
             else:  # near the quota: counted and granted under the organization's advisory lock
                 params["quota"] = self.quota.limit
-                async with self.quota.exactly(organization_id, job_type, waiting=waiting):
+                async with self.quota.exactly(organization_id, job_type, max_holders, waiting=waiting):
                     row = await self.db.fetch_first(queries.ACQUIRE_WITHIN_QUOTA, params)
             # A grant that reclaimed adds no live lock; a replay is counted once more, until
             # the next count.
@@ -382,12 +403,15 @@ class Locks:
             raise LockNotFound()
         return Lock.from_row(row)
 
-    async def current(self, caller: Caller, organization_id: str, job_type: str) -> Lock:
-        """The lock held right now for the key; a lapsed lease is not held."""
+    async def current(
+        self, caller: Caller, organization_id: str, job_type: str, slot: int | None = None
+    ) -> Lock:
+        """The lock held right now for the key with the highest fencing token, or the one held in
+        `slot`; a lapsed lease is not held."""
         if caller.scope not in (None, organization_id):
             raise LockNotFound()
         row = await self.db.fetch_optional(
-            queries.CURRENT, {"organization_id": organization_id, "job_type": job_type}
+            queries.CURRENT, {"organization_id": organization_id, "job_type": job_type, "slot": slot}
         )
         if row is None:
             raise LockNotFound()
@@ -409,7 +433,7 @@ class Locks:
                 return Page([], None)  # another organization's locks do not exist for this caller
             organization_id = caller.scope
         live = state is None or state in LIVE_STATES
-        after = _decode_cursor(cursor, state, live) if cursor else [None, None]
+        after = _decode_cursor(cursor, state, live) if cursor else [None, None, None]
         params: dict[str, Any] = {
             "organization_id": organization_id,
             "job_type": job_type,
@@ -417,7 +441,7 @@ class Locks:
             "limit": limit + 1,
         }
         if live:
-            params.update(after_organization_id=after[0], after_job_type=after[1])
+            params.update(after_organization_id=after[0], after_job_type=after[1], after_slot=after[2])
         else:
             params.update(after_released_at=after[0], after_id=after[1])
         # A statement of its own for each kind, so that its plan, generic too, scans one range of
@@ -436,7 +460,7 @@ class Locks:
         if len(rows) > limit:
             last = items[-1]
             if live:
-                key: list[Any] = [last.organization_id, last.job_type]
+                key: list[Any] = [last.organization_id, last.job_type, last.slot]
             else:
                 assert last.released_at is not None
                 key = [last.released_at.isoformat(), last.id]

@@ -22,12 +22,14 @@ from helix_locks.errors import (
     DatabaseUnavailable,
     EventsExpired,
     Forbidden,
+    Holder,
     InternalError,
     InvalidRequest,
     LockEnded,
     LockError,
     LockHeld,
     LockNotFound,
+    MaxHoldersMismatch,
     OrganizationWaitersFull,
     OrganizationWatchersFull,
     QuotaExceeded,
@@ -169,11 +171,44 @@ KINDS: Mapping[type[LockError], Kind] = {
         409,
         "lock-held",
         "Lock held",
-        "A live lock holds this organization and job type; Retry-After: whole seconds until it expires.",
-        LockHeld(1, "worker-7@host-3", _EXPIRES, 30),
-        "A live lock holds this organization and job type.",
+        "Live locks hold every slot of this organization and job type (one slot, unless max_holders is"
+        " more); lock_id, holder and expires_at name the one whose lease runs out first, holders lists"
+        " them all. Retry-After: whole seconds until that lease runs out.",
+        LockHeld(1, "worker-7@host-3", _EXPIRES, 30, [Holder(1, "worker-7@host-3", 0, _EXPIRES)]),
+        lambda exc: (
+            "A live lock holds this organization and job type."
+            if exc.max_holders == 1
+            else f"Live locks hold all {exc.max_holders} slots of this organization and job type."
+        ),
         headers=lambda exc: {"Retry-After": str(exc.retry_after_seconds)},
-        fields=lambda exc: {"lock_id": exc.lock_id, "holder": exc.holder, "expires_at": exc.expires_at},
+        fields=lambda exc: {
+            "lock_id": exc.lock_id,
+            "holder": exc.holder,
+            "expires_at": exc.expires_at,
+            "max_holders": exc.max_holders,
+            "holders": [
+                {
+                    "lock_id": h.lock_id,
+                    "holder": h.holder,
+                    "slot": h.slot,
+                    "expires_at": rfc3339(h.expires_at),
+                }
+                for h in exc.holders
+            ],
+        },
+    ),
+    MaxHoldersMismatch: Kind(
+        409,
+        "max-holders-mismatch",
+        "max_holders mismatch",
+        "The held locks of this organization and job type share another max_holders, given as"
+        " max_holders: acquire with that value, or wait until none is held.",
+        MaxHoldersMismatch(3),
+        lambda exc: (
+            f"The locks held for this organization and job type allow {exc.max_holders} holders at once;"
+            " acquire with that max_holders, or once none is held."
+        ),
+        fields=lambda exc: {"max_holders": exc.max_holders},
     ),
     LockEnded: Kind(
         410,

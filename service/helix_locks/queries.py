@@ -53,7 +53,7 @@ IN_TRANSACTION_17 = _IN_TRANSACTION + ",\n       set_config('transaction_timeout
 
 LOCK = """
 id, organization_id, job_type, holder, fencing_token, acquired_at, expires_at, released_at,
-release_reason, state, ttl_remaining_ms, metadata
+release_reason, state, ttl_remaining_ms, metadata, max_holders, slot
 """
 
 ACQUIRE = (
@@ -61,7 +61,8 @@ ACQUIRE = (
     + LOCK
     + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at
 FROM helix_acquire_job_lock(
-    %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s
+    %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s,
+    %(max_holders)s
 )
 """
 )
@@ -114,6 +115,7 @@ WHERE NOT EXISTS (
 # How long until a held lock's lease runs out, by the database clock (a waiter's timer).
 REMAINING = "SELECT ttl_remaining_ms FROM helix_job_lock_views WHERE id = %(lock_id)s AND released_at IS NULL"
 
+# The held lock with the highest fencing token, or (slot) the held lock in that slot.
 CURRENT = (
     "SELECT "
     + LOCK
@@ -122,6 +124,9 @@ WHERE organization_id = %(organization_id)s
   AND job_type = %(job_type)s
   AND released_at IS NULL
   AND state = 'held'
+  AND (%(slot)s::integer IS NULL OR slot = %(slot)s)
+ORDER BY fencing_token DESC
+LIMIT 1
 """
 )
 
@@ -132,22 +137,23 @@ ACQUIRE_WITHIN_QUOTA = (
     + LOCK
     + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at
 FROM helix_acquire_job_lock_within_quota(
-    %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(quota)s
+    %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(quota)s,
+    %(max_holders)s
 )
 """
 )
 
 # The live-lock quota (locks.py): an organization's live locks, counted on the live-lock
-# index, and whether one key has a live lock (a grant for it then adds none).
+# index, and whether an acquire of one key would add none: every slot has a live lock (the
+# acquire reclaims one, or is refused), or one of another max_holders does (migration 0017).
 COUNT_LIVE_IN_ORGANIZATION = """
 SELECT count(*) AS live
 FROM helix_job_locks WHERE organization_id = %(organization_id)s AND released_at IS NULL
 """
-KEY_IS_LIVE = """
-SELECT EXISTS (
-    SELECT FROM helix_job_locks
-    WHERE organization_id = %(organization_id)s AND job_type = %(job_type)s AND released_at IS NULL
-) AS live
+ADDS_NO_LIVE_LOCK = """
+SELECT count(*) >= %(max_holders)s OR coalesce(bool_or(max_holders <> %(max_holders)s), false) AS adds_none
+FROM helix_job_locks
+WHERE organization_id = %(organization_id)s AND job_type = %(job_type)s AND released_at IS NULL
 """
 
 # Listings read helix_job_locks itself, not helix_job_lock_views: the view's columns call
@@ -161,14 +167,15 @@ SELECT EXISTS (
 # at LIMIT; an admin's across organizations reads the global index in order and filters (admins
 # are trusted).
 
-# Locks not yet released (held, expired or both), in key order; the cursor is the last key seen.
+# Locks not yet released (held, expired or both), in key and slot order; the cursor is the last
+# (key, slot) seen.
 # The state is computed once per row (LATERAL), so a row kept by a state filter says that state.
 _LIVE = """
 SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquired_at, l.expires_at,
        l.released_at, l.release_reason, s.state,
        greatest(0, floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000))::bigint
            AS ttl_remaining_ms,
-       l.metadata
+       l.metadata, l.max_holders, l.slot
 FROM helix_job_locks AS l
 CROSS JOIN LATERAL (
     SELECT CASE WHEN l.expires_at <= clock_timestamp() THEN 'expired' ELSE 'held' END AS state
@@ -176,9 +183,10 @@ CROSS JOIN LATERAL (
 WHERE l.released_at IS NULL
   AND (%(state)s::text IS NULL OR s.state = %(state)s)
   AND (%(after_organization_id)s::text IS NULL
-       OR (l.organization_id, l.job_type) > (%(after_organization_id)s, %(after_job_type)s))
+       OR (l.organization_id, l.job_type, l.slot)
+          > (%(after_organization_id)s, %(after_job_type)s, %(after_slot)s::integer))
 """
-_IN_KEY_ORDER = """ORDER BY l.organization_id, l.job_type
+_IN_KEY_ORDER = """ORDER BY l.organization_id, l.job_type, l.slot
 LIMIT %(limit)s
 """
 # Each scan starts at the cursor's key (for an organization's listing, its job type when the
@@ -212,7 +220,7 @@ _HISTORY = """
 SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquired_at, l.expires_at,
        l.released_at, l.release_reason,
        CASE WHEN l.release_reason = 'reclaimed' THEN 'reclaimed' ELSE 'released' END AS state,
-       0::bigint AS ttl_remaining_ms, l.metadata
+       0::bigint AS ttl_remaining_ms, l.metadata, l.max_holders, l.slot
 FROM helix_job_locks AS l
 WHERE l.released_at IS NOT NULL
   AND (l.release_reason IS DISTINCT FROM 'reclaimed') = (%(state)s::text = 'released')
@@ -313,7 +321,8 @@ EVENTS = """
 SELECT now.snapshot::text AS snapshot, now.until_at, a.n,
        e.event, e.at, e.rank, e.seen, e.id, e.organization_id, e.job_type, e.holder,
        e.fencing_token, e.acquired_at, e.expires_at, e.released_at, e.release_reason, e.state,
-       e.ttl_remaining_ms, e.metadata, e.reclaimed_lock_id, e.reclaimed_holder, e.reclaimed_expired_at
+       e.ttl_remaining_ms, e.metadata, k.max_holders, k.slot,
+       e.reclaimed_lock_id, e.reclaimed_holder, e.reclaimed_expired_at
 FROM (SELECT pg_current_snapshot() AS snapshot, clock_timestamp() AS until_at) AS now
 CROSS JOIN unnest(
     %(after)s::text[], %(after_at)s::timestamptz[], %(organization_id)s::text[],
@@ -326,5 +335,7 @@ LEFT JOIN LATERAL (
     )
     LIMIT a.lim
 ) AS e ON true
+-- A lock's max_holders and slot never change (migration 0017): any version of its row says them.
+LEFT JOIN helix_job_locks AS k ON k.id = e.id
 ORDER BY a.n, e.id, e.at, e.rank
 """

@@ -89,6 +89,18 @@ WaitSeconds = Annotated[
         examples=[0, 10],
     ),
 ]
+MaxHolders = Annotated[
+    int,
+    Field(
+        strict=True,
+        ge=1,
+        le=1000,
+        description="How many locks may hold this organization and job type at once, 1 to 1000 (default"
+        " 1: mutual exclusion). Each is a lock of its own in a slot from 0 to max_holders - 1; the held"
+        " locks of a pair share one value (409 max-holders-mismatch otherwise).",
+        examples=[1, 3],
+    ),
+]
 Metadata = Annotated[
     dict[str, Any] | None,
     AfterValidator(_metadata),
@@ -126,6 +138,8 @@ _RELEASED_LOCK: dict[str, Any] = {
     "state": "released",
     "ttl_remaining_ms": 0,
     "metadata": {"run": "2026-11-30"},
+    "max_holders": 1,
+    "slot": 0,
 }
 
 
@@ -167,6 +181,7 @@ class AcquireRequest(BaseModel):
     ttl_seconds: TtlSeconds
     metadata: Metadata = None
     wait_seconds: WaitSeconds = 0
+    max_holders: MaxHolders = 1
 
 
 class RenewRequest(BaseModel):
@@ -226,6 +241,15 @@ class LockBody(BaseModel):
     )
     metadata: dict[str, Any] | None = Field(
         description="The metadata given at acquire, or null.", examples=[{"run": "2026-11-30"}]
+    )
+    max_holders: int = Field(
+        description="How many locks may hold this organization and job type at once (1: a plain lock).",
+        examples=[1],
+    )
+    slot: int = Field(
+        description="Which of the max_holders places this lock holds, from 0; storage that fences the"
+        " holders of a semaphore keeps one fence per slot.",
+        examples=[0],
     )
 
     @classmethod
@@ -332,6 +356,15 @@ class FieldError(BaseModel):
     )
 
 
+class HolderBody(BaseModel):
+    """One held lock of a key whose every slot is held."""
+
+    lock_id: int = Field(description="The held lock's id.", examples=[1])
+    holder: str = Field(description="Who holds it.", examples=["worker-7@host-3"])
+    slot: int = Field(description="Its slot.", examples=[0])
+    expires_at: datetime = Field(description="When its lease runs out unless renewed.", examples=[_EXPIRES])
+
+
 class Problem(BaseModel):
     """An RFC 9457 problem (application/problem+json); some problems add the fields below."""
 
@@ -379,7 +412,18 @@ class Problem(BaseModel):
         default=None, description="409 and 410: the lock concerned (for 409, the live one).", examples=[1]
     )
     holder: str | None = Field(
-        default=None, description="409 only: who holds the live lock.", examples=["worker-7@host-3"]
+        default=None,
+        description="409 only: who holds the live lock (of a semaphore, the one whose lease runs out first).",
+        examples=["worker-7@host-3"],
+    )
+    holders: list[HolderBody] | None = Field(
+        default=None, description="409 lock-held only: every held lock of the key, by slot."
+    )
+    max_holders: int | None = Field(
+        default=None,
+        description="409 only: the max_holders the key's held locks share (for max-holders-mismatch, the"
+        " value in force).",
+        examples=[3],
     )
     expires_at: datetime | None = Field(
         default=None,
