@@ -68,7 +68,8 @@ class Metrics:
         self.acquisitions = Counter(
             "helix_locks_acquisitions",
             "Acquire answers by result: granted, reclaimed (a lock whose worker died was taken over), "
-            "conflict (409), or the problem type of another error.",
+            "conflict (409: a plain lock held), full (409: every slot of a semaphore held), or the problem "
+            "type of another error.",
             result,
             registry=registry,
         )
