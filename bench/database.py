@@ -3,16 +3,22 @@ seeding with other organizations' history and live locks."""
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
+import subprocess
+import tarfile
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
+
+from bench import BenchError
+from tests.support import ROOT
 
 
 @contextmanager
@@ -85,3 +91,51 @@ def seed(url: str, history: int, live: int) -> str:
         f"{history:,} ended locks on {keys:,} keys of {SEED_ORGANIZATIONS} organizations"
         f" + {live:,} live locks, then VACUUM ANALYZE"
     )
+
+
+def base_tree(workdir: Path, rev: str | None, migration: str) -> tuple[Path, str]:
+    """The code before `migration` (service/ and migrations/ of `rev`, by default of the commit
+    before the one that added it, or HEAD while it is uncommitted), exported into workdir/base with
+    `git archive`; and which commit it is."""
+    if rev is None:
+        added = subprocess.run(
+            ["git", "-C", str(ROOT), "log", "-1", "--format=%H", "--diff-filter=A", "--", migration],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        rev = f"{added}^" if added else "HEAD"
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", commit, "service", "migrations"],
+        capture_output=True,
+        check=True,
+    ).stdout
+    base = workdir / "base"
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(base, filter="data")
+    if (base / migration).exists():
+        raise BenchError(f"{rev} ({commit}) already has {migration}: pass --base with an older commit")
+    return base, commit
+
+
+def other_database(url: str, name: str, cleanup: ExitStack) -> str:
+    """A second empty database on url's server, dropped on exit."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+    def drop() -> None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+    cleanup.callback(drop)
+    return make_conninfo(url, dbname=name)
+
+
+def database_name(url: str) -> str:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT current_database()").fetchone()
+    assert row is not None
+    return str(row[0])

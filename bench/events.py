@@ -35,14 +35,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import os
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from collections.abc import Iterator
@@ -57,11 +55,9 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg import sql
-from psycopg.conninfo import make_conninfo
 
 from bench import BenchError, interrupted, log, said_and_stopped
-from bench.database import bench_database, seed
+from bench.database import base_tree, bench_database, database_name, other_database, seed
 from bench.http_client import RawConnection, run_loop
 from bench.http_load import Sample, helix_cycle, run_http
 from bench.pgbench import run_pgbench
@@ -69,7 +65,7 @@ from bench.results import CPUS, Result, percentile
 from bench.servers import create_key, service_process
 from bench.waiters import Counts, counts, meter_database
 from helix_locks.migrate import migrate
-from tests.support import ROOT, Watch, rss_mb
+from tests.support import Watch, rss_mb
 
 MIGRATION = "migrations/0016_lock_events.sql"
 # The event reader's statements (queries.EVENTS_START, queries.EVENTS): their calls and time.
@@ -203,52 +199,6 @@ def watching(base_url: str, key: str, job_types: list[str | None]) -> Iterator[C
         if process.is_alive():
             process.terminate()
             process.join()
-
-
-def base_tree(workdir: Path, rev: str | None) -> tuple[Path, str]:
-    """The tree before migration 0016, exported into workdir/base; and which commit it is."""
-    if rev is None:
-        added = subprocess.run(
-            ["git", "-C", str(ROOT), "log", "-1", "--format=%H", "--diff-filter=A", "--", MIGRATION],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        rev = f"{added}^" if added else "HEAD"
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", commit, "service", "migrations"],
-        capture_output=True,
-        check=True,
-    ).stdout
-    base = workdir / "base"
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(base, filter="data")
-    if (base / MIGRATION).exists():
-        raise BenchError(f"{rev} ({commit}) already has {MIGRATION}: pass --base with an older commit")
-    return base, commit
-
-
-def other_database(url: str, name: str, cleanup: ExitStack) -> str:
-    """A second empty database on url's server, dropped on exit."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-
-    def drop() -> None:
-        with psycopg.connect(url, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-
-    cleanup.callback(drop)
-    return make_conninfo(url, dbname=name)
-
-
-def database_name(url: str) -> str:
-    with psycopg.connect(url) as conn:
-        row = conn.execute("SELECT current_database()").fetchone()
-    assert row is not None
-    return str(row[0])
 
 
 @dataclass
@@ -599,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
         cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
         url, where = cleanup.enter_context(bench_database(workdir))
         meter_url = meter_database(url, workdir / "pgdata", cleanup)
-        base, commit = base_tree(workdir, args.base)
+        base, commit = base_tree(workdir, args.base, MIGRATION)
         base_db_url = other_database(url, f"{database_name(url)}_before", cleanup)
         base_env = {"PYTHONPATH": str(base / "service")}
         command = [sys.executable, "-m", "helix_locks.cli", "migrate"]

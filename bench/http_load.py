@@ -47,17 +47,27 @@ def cpu_time() -> float:
     return times.user + times.system
 
 
+# The hot semaphore's max_holders.
+SEMAPHORE_HOLDERS = 4
+
 # One lock cycle of a side: acquire then release, on the client's own key. It returns how long
 # the acquire took, or None (counted in the sample) unless both answered as a free lock should.
 Cycle = Callable[[Connection, Sample], Awaitable[float | None]]
 
 
-def helix_cycle(auth: str, job_type: str, hot: bool = False) -> Cycle:
+def helix_cycle(auth: str, job_type: str, hot: bool = False, max_holders: int = 1) -> Cycle:
     """POST /v1/locks, DELETE /v1/locks/{id}; `auth` is the Authorization header line, or "".
 
     `hot`: every client is on this one key, so a 409 is expected: it is timed (in the window) and
-    the acquire is sent again until it is granted."""
-    request = {"organization_id": "bench", "job_type": job_type, "holder": "bench", "ttl_seconds": 30}
+    the acquire is sent again until it is granted. `max_holders` above 1: the key is a semaphore."""
+    request: dict[str, object] = {
+        "organization_id": "bench",
+        "job_type": job_type,
+        "holder": "bench",
+        "ttl_seconds": 30,
+    }
+    if max_holders > 1:
+        request["max_holders"] = max_holders
     body = json.dumps(request).encode()
 
     async def cycle(conn: Connection, sample: Sample) -> float | None:
@@ -159,11 +169,14 @@ async def cpu_probe(start: float, end: float, sample: Sample) -> None:
 
 
 def cycles_of(side: str, auth: str, names: list[str]) -> list[Cycle]:
-    """The clients' cycles of a side: "helix" or "etcd" (one key each), or "hot" (one key for all)."""
+    """The clients' cycles of a side: "helix" or "etcd" (one key each), or "hot" (one key for all),
+    or "semaphore" (one key for all, SEMAPHORE_HOLDERS of them at once)."""
     if side == "etcd":
         return [etcd_cycle(name) for name in names]
     if side == "hot":
         return [helix_cycle(auth, "hot-key", hot=True) for _ in names]
+    if side == "semaphore":
+        return [helix_cycle(auth, "semaphore-key", hot=True, max_holders=SEMAPHORE_HOLDERS) for _ in names]
     return [helix_cycle(auth, name) for name in names]
 
 
