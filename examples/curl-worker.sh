@@ -8,13 +8,16 @@
 #   WORKER_ITERATIONS    how many times to take the lock and work (default 1)
 #   WORKER_WORK_SECONDS  how long one piece of work takes (default 1)
 #   WORKER_WAIT_SECONDS  how long to retry a held lock before giving up (default 60)
+#   WORKER_MAX_HOLDERS   a semaphore: up to this many workers hold the key at once, each in a slot
+#                        of its own (default 1: one at a time); all of them must give the same value
 #   WORKER_HOLDER        holder name (default curl-worker@HOSTNAME-PID)
-#   OUTPUT_FILE or WORKER_OUTPUT  gets a line "fencing_token holder lock_id acquired_at" per piece
-#                        of work, as a storage layer would (default worker-output.txt)
+#   OUTPUT_FILE or WORKER_OUTPUT  gets a line "fencing_token holder lock_id acquired_at slot" per
+#                        piece of work, as a storage layer would (default worker-output.txt)
 # Exit status, as `helix-locks run`'s: 0 done; 75 the lock stayed held past WORKER_WAIT_SECONDS;
 # 69 the service could not be reached until then; 76 the lock was lost (410, or renewals failed until
 # the lease was nearly over): the work was stopped at once and the lock not released; 1 unexpected
-# answer; 2 bad configuration. SIGTERM/Ctrl-C stop the work and release the lock.
+# answer; 2 bad configuration (max-holders-mismatch included: the key's holders share another
+# WORKER_MAX_HOLDERS). SIGTERM/Ctrl-C stop the work and release the lock.
 set -euo pipefail
 
 url="${HELIX_LOCKS_URL:-http://127.0.0.1:8080}"
@@ -24,14 +27,16 @@ ttl="${WORKER_TTL:-30}"
 iterations="${WORKER_ITERATIONS:-1}"
 work_seconds="${WORKER_WORK_SECONDS:-1}"
 wait_seconds="${WORKER_WAIT_SECONDS:-60}"
+max_holders="${WORKER_MAX_HOLDERS:-1}"
 holder="${WORKER_HOLDER:-curl-worker@${HOSTNAME:-localhost}-$$}"
 output="${1:-${WORKER_OUTPUT:-worker-output.txt}}"
 
 log() { echo "$holder: $*" >&2; }
 integer='^[0-9]+$' number='^[0-9]+([.][0-9]+)?$'
 if ! [[ "$ttl" =~ $number && "$work_seconds" =~ $number && "$iterations" =~ $integer &&
-  "$wait_seconds" =~ $integer ]]; then
-  log "WORKER_TTL, WORKER_WORK_SECONDS, WORKER_ITERATIONS, WORKER_WAIT_SECONDS must be numbers"; exit 2
+  "$wait_seconds" =~ $integer && "$max_holders" =~ ^[1-9][0-9]*$ ]]; then
+  log "WORKER_TTL, WORKER_WORK_SECONDS, WORKER_ITERATIONS, WORKER_WAIT_SECONDS, WORKER_MAX_HOLDERS" \
+    "must be numbers"; exit 2
 fi
 ttl_ms="$(jq -n --argjson t "$ttl" '$t * 1000 | floor')"
 renew_every_ms=$((ttl_ms / 3))
@@ -68,10 +73,11 @@ call() {
     -X "$3" "$url$4" -H @<(secret_headers) "${body[@]}" || true
 }
 
-acquire() {  # sets lock_id, token, fencing_token, acquired_at and lease_end
+acquire() {  # sets lock_id, token, fencing_token, acquired_at, slot and lease_end
   local body status retry_after sent nap_ms backoff_ms=100 deadline=$((SECONDS + wait_seconds))
   body="$(jq -nc --arg o "$org" --arg j "$job_type" --arg h "$holder" --argjson t "$ttl" \
-    '{organization_id: $o, job_type: $j, holder: $h, ttl_seconds: $t}')"
+    --argjson m "$max_holders" '{organization_id: $o, job_type: $j, holder: $h, ttl_seconds: $t,
+    max_holders: $m}')"
   # One key for every try of this acquire: a try whose answer was lost (or was 503) may have been
   # granted, and repeating the key gets that grant back instead of a 409 from our own lock.
   idempotency_key="$(od -An -tx1 -N16 /dev/urandom | tr -d ' \n')"
@@ -80,7 +86,14 @@ acquire() {  # sets lock_id, token, fencing_token, acquired_at and lease_end
     read -r status retry_after <<<"$(call acquire 10000 POST /v1/locks "$body")"
     case "$status" in
       201) break ;;
-      409) log "lock held by $(jq -r .holder "$workdir/acquire")" ;;
+      409)
+        if [[ "$(jq -r .type "$workdir/acquire")" == *:max-holders-mismatch ]]; then
+          # The key's holders share another max_holders: the setting is wrong, waiting won't help.
+          log "WORKER_MAX_HOLDERS is $max_holders, the key's is $(jq .max_holders "$workdir/acquire")"
+          exit 2
+        fi
+        # Every slot is held (one, unless a semaphore): holders names them all.
+        log "lock held by $(jq -r '[(.holders // [.])[].holder] | join(", ")' "$workdir/acquire")" ;;
       000 | 503) log "service unavailable ($status)" ;;  # worth retrying too
       *) log "acquire answered $status: $(cat "$workdir/acquire")"; exit 1 ;;
     esac
@@ -96,8 +109,8 @@ acquire() {  # sets lock_id, token, fencing_token, acquired_at and lease_end
     sleep "$(secs "$nap_ms")"
   done
   idempotency_key=""
-  IFS=$'\t' read -r lock_id token fencing_token acquired_at < <(
-    jq -r '[.id, .token, .fencing_token, .acquired_at] | @tsv' "$workdir/acquire")
+  IFS=$'\t' read -r lock_id token fencing_token acquired_at slot < <(
+    jq -r '[.id, .token, .fencing_token, .acquired_at, .slot // 0] | @tsv' "$workdir/acquire")
   lease_end=$((sent + ttl_ms))  # counted from when we asked: never later than the real end
 }
 
@@ -152,8 +165,9 @@ for ((i = 1; i <= iterations; i++)); do
   if ! wait "$work_pid" && ((!lost)); then log "the work failed"; exit 1; fi
   work_pid=""
   exit_if_lost
-  # What the work writes carries the fencing token, so storage can refuse a stale holder.
-  printf '%s %s %s %s\n' "$fencing_token" "$holder" "$lock_id" "$acquired_at" >>"$output"
+  # What the work writes carries the fencing token, so storage can refuse a stale holder; and the
+  # slot, by which storage keys its fence when several hold the key at once (a semaphore).
+  printf '%s %s %s %s %s\n' "$fencing_token" "$holder" "$lock_id" "$acquired_at" "$slot" >>"$output"
   stop "$renewer_pid"  # before releasing, so that no renewal crosses the release
   renewer_pid=""
   exit_if_lost  # the renewer may have found the lock lost in the meantime

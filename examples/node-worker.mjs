@@ -9,13 +9,16 @@
 //   WORKER_ITERATIONS    how many times to take the lock and work (default 1)
 //   WORKER_WORK_SECONDS  how long one piece of work takes (default 1)
 //   WORKER_WAIT_SECONDS  how long to retry a held lock before giving up (default 60)
+//   WORKER_MAX_HOLDERS   a semaphore: up to this many workers hold the key at once, each in a slot
+//                        of its own (default 1: one at a time); all of them must give the same value
 //   WORKER_HOLDER        holder name (default node-worker@HOSTNAME-PID)
-//   OUTPUT_FILE or WORKER_OUTPUT  gets a line "fencing_token holder lock_id acquired_at" per piece
-//                        of work, as a storage layer would (default worker-output.txt)
+//   OUTPUT_FILE or WORKER_OUTPUT  gets a line "fencing_token holder lock_id acquired_at slot" per
+//                        piece of work, as a storage layer would (default worker-output.txt)
 // Exit status, as `helix-locks run`'s: 0 done; 75 the lock stayed held past WORKER_WAIT_SECONDS;
 // 69 the service could not be reached until then; 76 the lock was lost (410, or renewals failed until
 // the lease was nearly over): the work was stopped at once and the lock not released; 1 unexpected
-// answer; 2 bad configuration. SIGTERM/Ctrl-C stop the work and release the lock.
+// answer; 2 bad configuration (max-holders-mismatch included: the key's holders share another
+// WORKER_MAX_HOLDERS). SIGTERM/Ctrl-C stop the work and release the lock.
 import { randomUUID } from "node:crypto";
 import { appendFile } from "node:fs/promises";
 import { hostname } from "node:os";
@@ -29,6 +32,7 @@ const ttlMs = Number(env.WORKER_TTL ?? 30) * 1000;
 const iterations = Number(env.WORKER_ITERATIONS ?? 1);
 const workMs = Number(env.WORKER_WORK_SECONDS ?? 1) * 1000;
 const waitMs = Number(env.WORKER_WAIT_SECONDS ?? 60) * 1000;
+const maxHolders = Number(env.WORKER_MAX_HOLDERS ?? 1);
 const holder = env.WORKER_HOLDER ?? `node-worker@${hostname()}-${process.pid}`;
 const output = process.argv[2] ?? env.WORKER_OUTPUT ?? "worker-output.txt";
 const renewEveryMs = Math.floor(ttlMs / 3);
@@ -55,7 +59,9 @@ async function call(method, path, { token, idempotencyKey, body, timeoutMs = 10_
 }
 
 async function acquire() {
-  const body = { organization_id: org, job_type: jobType, holder, ttl_seconds: ttlMs / 1000 };
+  const body = {
+    organization_id: org, job_type: jobType, holder, ttl_seconds: ttlMs / 1000, max_holders: maxHolders,
+  };
   // One key for every try: a try whose answer was lost (or was 503) may have been granted, and
   // repeating the key gets that grant back instead of a 409 from our own lock.
   const idempotencyKey = randomUUID();
@@ -65,8 +71,14 @@ async function acquire() {
     const answer = await call("POST", "/v1/locks", { body, idempotencyKey });
     // The lease counted from when we asked: it never ends later than the service's.
     if (answer.status === 201) return { ...answer.json, leaseEnd: sent + ttlMs };
-    if (answer.status === 409) log(`lock held by ${answer.json.holder}`);
-    else if (answer.status === 0 || answer.status === 503) log(`service unavailable (${answer.status})`);
+    if (answer.status === 409 && answer.json.type?.endsWith(":max-holders-mismatch")) {
+      // The key's holders share another max_holders: the setting is wrong, waiting will not help.
+      throw new Exit(2, `WORKER_MAX_HOLDERS is ${maxHolders}, the key's is ${answer.json.max_holders}`);
+    }
+    if (answer.status === 409) {
+      // Every slot is held (one, unless a semaphore): holders names them all.
+      log(`lock held by ${(answer.json.holders ?? [answer.json]).map((held) => held.holder).join(", ")}`);
+    } else if (answer.status === 0 || answer.status === 503) log(`service unavailable (${answer.status})`);
     else throw new Exit(1, `acquire answered ${answer.status}: ${answer.text}`);
     if (performance.now() >= deadline) {
       throw new Exit(answer.status === 409 ? 75 : 69, `gave up after ${waitMs / 1000}s`);
@@ -123,8 +135,10 @@ for (const [name, status] of [["SIGINT", 130], ["SIGTERM", 143]]) {
 }
 
 async function main() {
-  if (![ttlMs, workMs, waitMs].every((n) => n >= 0) || !Number.isInteger(iterations)) {
-    const names = "WORKER_TTL, WORKER_WORK_SECONDS, WORKER_ITERATIONS, WORKER_WAIT_SECONDS";
+  if (![ttlMs, workMs, waitMs].every((n) => n >= 0) || !Number.isInteger(iterations) ||
+      !(Number.isInteger(maxHolders) && maxHolders >= 1)) {
+    const names = "WORKER_TTL, WORKER_WORK_SECONDS, WORKER_ITERATIONS, "
+      + "WORKER_WAIT_SECONDS, WORKER_MAX_HOLDERS";
     throw new Exit(2, `${names} must be numbers`);
   }
   for (let i = 1; i <= iterations; i++) {
@@ -137,8 +151,10 @@ async function main() {
       // The work. Real work passes this signal on to what it awaits (fetch, streams) to stop at once.
       await sleep(workMs, undefined, { signal: AbortSignal.any([lost.signal, interrupted.signal]) });
       lost.signal.throwIfAborted();
-      // What the work writes carries the fencing token, so storage can refuse a stale holder.
-      await appendFile(output, `${lock.fencing_token} ${holder} ${lock.id} ${lock.acquired_at}\n`);
+      // What the work writes carries the fencing token, so storage can refuse a stale holder; and the
+      // slot, by which storage keys its fence when several hold the key at once (a semaphore).
+      const line = `${lock.fencing_token} ${holder} ${lock.id} ${lock.acquired_at} ${lock.slot ?? 0}`;
+      await appendFile(output, `${line}\n`);
     } catch (error) {
       failure = interrupted.signal.reason ?? error;
     }

@@ -1,13 +1,22 @@
 """A checker for lock histories: from the database's own rows and what clients were told.
 
 The guarantees it checks, per (organization_id, job_type):
-- fencing tokens are unique and strictly increase in the order grants were made;
-- no grant began (database time) before its predecessor ended, and a reclaim happened only after
-  the reclaimed lease ran out;
+- fencing tokens are unique and strictly increase in the order grants were made, across all the
+  slots of a semaphore;
+- within one slot, no grant began (database time) before its predecessor in that slot ended, and
+  a reclaim happened only after the reclaimed lease ran out;
+- for a semaphore (a pair with a grant of max_holders above 1, or outside slot 0; issue 21): at
+  no database instant more live grants than max_holders, the live grants all of one max_holders,
+  each in a slot below it, and each reclaim at the moment of a grant, after the reclaimed lease
+  ran out (also when that grant took another slot: starting a pair afresh with another
+  max_holders reclaims every expired lock of it). A grant is live from its acquired_at until its
+  released_at, which for a reclaimed lock is the reclaiming grant's acquired_at; both the
+  database's own times. With max_holders 1 throughout (every grant in slot 0) these add nothing
+  to the checks above, and the checker reports exactly what it reported before semaphores;
 - no renewal of a lock succeeded after that lock had ended, and none was lost: the database keeps
   at least the latest expiry a renewal announced (renewals in a run never shorten a lease), and a
   reclaim came only after that expiry;
-- every grant a client was told about exists in the database, as told;
+- every grant a client was told about exists in the database, as told (its slot too, if told);
 - every release a client was told about (204) is in the database as released;
 - a lock a client was told it holds ends only by that client's release, by force, or by a reclaim
   after its lease ran out: never released by the service on its own (given the release attempts).
@@ -17,7 +26,6 @@ the database may hold grants no client was told about (left to expire) but never
 
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,16 +45,19 @@ class Grant:
     expires_at: datetime
     released_at: datetime | None
     release_reason: str | None
+    max_holders: int = 1
+    slot: int = 0
 
 
 @dataclass(frozen=True)
 class Told:
-    """A 201 a client received: the grant as the service reported it."""
+    """A 201 a client received: the grant as the service reported it (its slot, when recorded)."""
 
     lock_id: int
     key: tuple[str, str]
     fencing_token: int
     acquired_at: datetime
+    slot: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,9 +75,9 @@ def database_history(db_url: str) -> list[Grant]:
         conn.execute("SET DateStyle = ISO")  # psycopg reads no other, whatever the database's default
         rows = conn.execute(
             "SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
-            " released_at, release_reason FROM helix_job_locks"
+            " released_at, release_reason, max_holders, slot FROM helix_job_locks"
         ).fetchall()
-    return [Grant(r[0], (r[1], r[2]), r[3], r[4], r[5], r[6], r[7]) for r in rows]
+    return [Grant(r[0], (r[1], r[2]), r[3], r[4], r[5], r[6], r[7], r[8], r[9]) for r in rows]
 
 
 def check(
@@ -89,19 +100,22 @@ def check(
         by_key[grant.key].append(grant)
     for key, history in by_key.items():
         history.sort(key=lambda g: g.fencing_token)
-        for before, after in itertools.pairwise(history):
-            where = f"{key}: lock {before.lock_id} (token {before.fencing_token}) then {after.lock_id}"
-            if after.fencing_token == before.fencing_token:
-                violations.append(f"{where}: fencing token {after.fencing_token} granted twice")
-            if after.acquired_at <= before.acquired_at:
-                violations.append(f"{where}: fencing tokens do not follow grant order")
-            if before.released_at is None:
-                violations.append(f"{where}: granted while its predecessor was never released")
-            elif after.acquired_at < before.released_at:
-                violations.append(f"{where}: overlap, granted {before.released_at - after.acquired_at} early")
-            lease_end = max(before.expires_at, promised.get(before.lock_id, before.expires_at))
-            if before.release_reason == "reclaimed" and after.acquired_at < lease_end:
-                violations.append(f"{where}: reclaimed before its lease expired")
+        semaphore = any((grant.max_holders, grant.slot) != (1, 0) for grant in history)
+        in_slot: dict[int, Grant] = {}  # the latest grant so far, per slot
+        for n, after in enumerate(history):
+            if n:
+                before = history[n - 1]
+                where = f"{key}: lock {before.lock_id} (token {before.fencing_token}) then {after.lock_id}"
+                if after.fencing_token == before.fencing_token:
+                    violations.append(f"{where}: fencing token {after.fencing_token} granted twice")
+                if after.acquired_at <= before.acquired_at:
+                    violations.append(f"{where}: fencing tokens do not follow grant order")
+            before_in_slot = in_slot.get(after.slot)
+            in_slot[after.slot] = after
+            if before_in_slot is not None:
+                violations.extend(_slot_violations(key, before_in_slot, after, promised, semaphore))
+        if semaphore:
+            violations.extend(_semaphore_violations(key, history, promised))
     kept_until = {grant.lock_id: grant.expires_at for grant in grants}
     for lock_id, expiry in promised.items():
         if lock_id in kept_until and kept_until[lock_id] < expiry:
@@ -125,7 +139,7 @@ def check(
             answer.key,
             answer.fencing_token,
             answer.acquired_at,
-        ):
+        ) or answer.slot not in (None, kept.slot):
             violations.append(f"lock {answer.lock_id}: the client was told {answer}, the database has {kept}")
     if release_attempts is not None:
         attempted = set(release_attempts)
@@ -141,5 +155,89 @@ def check(
         if reason != "released":
             violations.append(
                 f"lock {lock_id}: a client was told it was released, the database says {reason}"
+            )
+    return violations
+
+
+def _lease_end(grant: Grant, promised: dict[int, datetime]) -> datetime:
+    """When the grant's lease ran out: its expiry, or the latest a renewal announced."""
+    return max(grant.expires_at, promised.get(grant.lock_id, grant.expires_at))
+
+
+def _slot_violations(
+    key: tuple[str, str], before: Grant, after: Grant, promised: dict[int, datetime], semaphore: bool
+) -> list[str]:
+    """One slot held by two grants at once: `after` the next grant in `before`'s slot."""
+    slot = f" in slot {after.slot}" if semaphore else ""
+    where = f"{key}: lock {before.lock_id} (token {before.fencing_token}) then {after.lock_id}{slot}"
+    violations = []
+    if before.released_at is None:
+        violations.append(f"{where}: granted while its predecessor was never released")
+    elif after.acquired_at < before.released_at:
+        violations.append(f"{where}: overlap, granted {before.released_at - after.acquired_at} early")
+    if before.release_reason == "reclaimed" and after.acquired_at < _lease_end(before, promised):
+        violations.append(f"{where}: reclaimed before its lease expired")
+    return violations
+
+
+def _semaphore_violations(
+    key: tuple[str, str], history: list[Grant], promised: dict[int, datetime]
+) -> list[str]:
+    """What only a pair with several slots can break: the count of live grants, their shared
+    max_holders, their slots' range, and a reclaim made by a grant in another slot."""
+    violations = []
+    granted_at = {grant.acquired_at for grant in history}
+    next_in_slot: dict[int, Grant] = {}  # per lock, the next grant in its slot
+    latest: dict[int, Grant] = {}
+    for grant in history:
+        if grant.slot in latest:
+            next_in_slot[latest[grant.slot].lock_id] = grant
+        latest[grant.slot] = grant
+    for grant in history:
+        if not 0 <= grant.slot < grant.max_holders:
+            violations.append(
+                f"{key}: lock {grant.lock_id} in slot {grant.slot},"
+                f" outside its max_holders {grant.max_holders}"
+            )
+        successor = next_in_slot.get(grant.lock_id)
+        if grant.release_reason != "reclaimed" or grant.released_at is None:
+            continue
+        if successor is not None and successor.acquired_at == grant.released_at:
+            continue  # reclaimed by the next grant in its slot, checked with the slot
+        # Reclaimed by a grant in another slot, as one that starts the pair afresh does.
+        lease_end = _lease_end(grant, promised)
+        if grant.released_at not in granted_at:
+            violations.append(
+                f"{key}: lock {grant.lock_id} reclaimed at {grant.released_at}, when no grant was made"
+            )
+        elif grant.released_at < lease_end:
+            violations.append(
+                f"{key}: lock {grant.lock_id} reclaimed at {grant.released_at},"
+                f" before its lease expired at {lease_end}"
+            )
+    # The live grants at each instant a grant was made (the only instants their number grows):
+    # ends before starts at one instant, since a reclaim ends a lease at its successor's grant.
+    moments = [(grant.acquired_at, 1, grant) for grant in history]
+    moments += [(grant.released_at, 0, grant) for grant in history if grant.released_at is not None]
+    moments.sort(key=lambda moment: (moment[0], moment[1], moment[2].fencing_token))
+    live: dict[int, Grant] = {}
+    for at, starts, grant in moments:
+        if not starts:
+            live.pop(grant.lock_id, None)
+            continue
+        if grant.released_at is not None and grant.released_at <= grant.acquired_at:
+            continue  # live for no instant at all
+        live[grant.lock_id] = grant
+        ids = sorted(live)
+        in_force = {other.max_holders for other in live.values()}
+        if len(in_force) > 1:
+            violations.append(
+                f"{key}: lock {grant.lock_id} (max_holders {grant.max_holders}) granted at {at}"
+                f" while locks of max_holders {sorted(in_force)} were live: {ids}"
+            )
+        if len(live) > min(in_force):
+            violations.append(
+                f"{key}: {len(live)} grants live at once at {at}, more than max_holders"
+                f" {min(in_force)}: locks {ids}"
             )
     return violations

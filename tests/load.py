@@ -1,8 +1,9 @@
 """Racing lock clients that record what they were told, for the checker in tests/history.py.
 
-Each client loops: acquire a random key; on a grant, sometimes die holding it (the lease must
-run out and be reclaimed), else work a little, maybe renew, and release. An answer that never
-came (timeout, reset) is unknown, as Jepsen has it: the client gives up that lock and goes on.
+Each client loops: acquire a random key (a lock, or a semaphore of the max_holders given for the
+key); on a grant, sometimes die holding it (the lease must run out and be reclaimed), else work a
+little, maybe renew, and release. An answer that never came (timeout, reset) is unknown, as Jepsen
+has it: the client gives up that lock and goes on.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -84,6 +86,8 @@ class Load:
     timeout: float = 15.0
     api_key: str | None = None
     name: str = "worker"  # clients are NAME-0, NAME-1...; each seeds its random choices by number
+    # The keys raced, each with its max_holders (1: an ordinary lock).
+    keys: Mapping[tuple[str, str], int] = field(default_factory=lambda: dict.fromkeys(KEYS, 1))
     run: Run = field(default_factory=Run)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -143,9 +147,17 @@ class Load:
         run = self.run
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         async with httpx.AsyncClient(timeout=self.timeout, headers=headers) as http:
+            keys = list(self.keys)
             while not self._stop.is_set():
-                org, job = rng.choice(KEYS)
-                body = {"organization_id": org, "job_type": job, "holder": name, "ttl_seconds": self.ttl}
+                org, job = rng.choice(keys)
+                body: dict[str, object] = {
+                    "organization_id": org,
+                    "job_type": job,
+                    "holder": name,
+                    "ttl_seconds": self.ttl,
+                }
+                if self.keys[org, job] != 1:
+                    body["max_holders"] = self.keys[org, job]
                 answer = await self._call(
                     http, "acquire", "POST", f"{rng.choice(self.urls)}/v1/locks", json=body
                 )
@@ -155,7 +167,8 @@ class Load:
                 grant = answer.json()
                 run.granted_at.append(time.monotonic())
                 acquired_at = datetime.fromisoformat(grant["acquired_at"])
-                run.told.append(Told(grant["id"], (org, job), grant["fencing_token"], acquired_at))
+                told = Told(grant["id"], (org, job), grant["fencing_token"], acquired_at, grant.get("slot"))
+                run.told.append(told)
                 if rng.random() < self.crash_rate:
                     run.crashes += 1  # dies holding it: never releases, the lease must run out
                     continue

@@ -29,7 +29,7 @@ def test_importing_the_sdk_and_its_command_line_needs_httpx_only() -> None:
         "sys.meta_path.insert(0, Block())\n"
         "import helix_locks, helix_locks.cli\n"
         "from helix_locks import ApiError, AsyncLockClient, Lease, LockClient, LockHeld, LockLost\n"
-        "from helix_locks import Unavailable\n"
+        "from helix_locks import MaxHoldersMismatch, Unavailable\n"
         "print(sorted(m for m in sys.modules if m.startswith('helix_locks')))\n"
     )
     result = subprocess.run(
@@ -127,6 +127,37 @@ def test_run_stops_the_command_before_the_lease_ends_when_the_service_is_gone(
         started = time.monotonic()
         assert process.wait(timeout=10) == 76
         assert time.monotonic() - started < 2, "stopped within the lease"
+
+
+def test_run_with_max_holders_gives_each_command_its_slot(db_url: str, tmp_path: Path) -> None:
+    """Two `run --max-holders 2` hold the key at once, each told its own HELIX_LOCKS_SLOT; a third
+    finds every slot held (75), and one naming another max_holders is refused at once (69)."""
+    go = tmp_path / "go"
+    script = f'echo "$HELIX_LOCKS_SLOT" > {tmp_path}/slot.$$; while [ ! -e {go} ]; do sleep 0.05; done'
+    base = ("--org", "acme", "--job-type", "export", "--ttl", "30")
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        processes = [helix_run(url, *base, "--max-holders", "2", "--", "sh", "-c", script) for _ in range(2)]
+        deadline = time.monotonic() + 20
+        while len(list(tmp_path.glob("slot.*"))) < 2:
+            assert all(p.poll() is None for p in processes) and time.monotonic() < deadline, "both run"
+            time.sleep(0.05)
+        full = helix_run(url, *base, "--max-holders", "2", "--", "true", stderr=subprocess.PIPE)
+        _, full_err = full.communicate(timeout=30)
+        other = helix_run(
+            url, *base, "--max-holders", "3", "--wait", "20", "--", "true", stderr=subprocess.PIPE
+        )
+        started = time.monotonic()
+        _, other_err = other.communicate(timeout=30)
+        took = time.monotonic() - started
+        go.touch()
+        assert [process.wait(timeout=30) for process in processes] == [0, 0]
+        with LockClient(url) as client:
+            assert client.current("acme", "export") is None, "both released"
+    slots = sorted(path.read_text().strip() for path in tmp_path.glob("slot.*"))
+    assert slots == ["0", "1"]
+    assert full.returncode == 75 and "all 2 slots" in full_err, full_err
+    assert other.returncode == 69 and "allow 2 holders" in other_err, other_err
+    assert took < 5, "a mismatch is not waited for"
 
 
 def alive(pid: int) -> bool:

@@ -10,8 +10,10 @@ from pathlib import Path
 import httpx
 
 from tests.history import check, database_history
-from tests.load import Load
+from tests.load import KEYS, Load
 from tests.support import running_service
+
+SEMAPHORE = ("acme", "exports")
 
 
 def test_a_replica_crash_costs_only_its_own_clients_and_loses_no_lock(db_url: str, tmp_path: Path) -> None:
@@ -23,11 +25,13 @@ def test_a_replica_crash_costs_only_its_own_clients_and_loses_no_lock(db_url: st
         body = {"organization_id": "acme", "job_type": "long-job", "holder": "survivor", "ttl_seconds": 600}
         survivor = http.post(f"{doomed}/v1/locks", json=body).json()
 
-        # Clients of the doomed replica, and clients of the steady one, on the same keys.
+        # Clients of the doomed replica, and clients of the steady one, on the same keys: locks,
+        # and a semaphore of 3 (issue 21).
         doomed_urls = [doomed]
+        keys = {**dict.fromkeys(KEYS, 1), SEMAPHORE: 3}
         with (
-            Load(doomed_urls, clients=6, name="doomed") as on_doomed,
-            Load([steady], clients=6, name="steady") as on_steady,
+            Load(doomed_urls, clients=6, name="doomed", keys=keys) as on_doomed,
+            Load([steady], clients=6, name="steady", keys=keys) as on_steady,
         ):
             time.sleep(2)
             doomed_process.send_signal(signal.SIGKILL)
@@ -55,5 +59,8 @@ def test_a_replica_crash_costs_only_its_own_clients_and_loses_no_lock(db_url: st
     told = steady_run.told + doomed_run.told
     renewed = steady_run.renewed + doomed_run.renewed
     released = steady_run.released + doomed_run.released
-    violations = check(database_history(db_url), told, renewed, released)
+    grants = database_history(db_url)
+    violations = check(grants, told, renewed, released)
     assert violations == [], "\n".join(violations[:20])
+    assert {g.max_holders for g in grants if g.key == SEMAPHORE} == {3}
+    assert len({g.slot for g in grants if g.key == SEMAPHORE}) > 1, "the semaphore had several holders"

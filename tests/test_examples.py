@@ -48,13 +48,15 @@ def worker(
             process.wait()
 
 
+def lines(path: Path) -> list[list[str]]:
+    """The examples' output: one line "fencing_token holder lock_id acquired_at slot" per piece of
+    work."""
+    return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def written(path: Path) -> list[Told]:
-    """The examples' output: one line "fencing_token holder lock_id acquired_at" per piece of work."""
-    if not path.exists():
-        return []
     told = []
-    for line in path.read_text().splitlines():
-        token, _holder, lock_id, acquired_at = line.split()
+    for token, _holder, lock_id, acquired_at, _slot in lines(path):
         told.append(Told(int(lock_id), KEY, int(token), datetime.fromisoformat(acquired_at)))
     return told
 
@@ -84,6 +86,7 @@ def test_two_examples_working_on_one_key_never_hold_it_at_once(db_url: str, tmp_
     assert {grant.release_reason for grant in grants} == {"released"}
     # They did contend: one of them was told the lock was held, and waited.
     assert any("lock held by" in log for log in logs.values()), logs
+    assert {line[4] for name in EXAMPLES for line in lines(tmp_path / f"{name}.out")} == {"0"}
     # Both renewed their locks while working (the service logs each renewal with its lock id).
     renewed = {
         line["lock_id"]
@@ -138,3 +141,30 @@ def test_an_example_whose_lock_is_taken_away_stops_with_its_lost_status(
         }
     # It did not release the lock it lost, and the thief's lock stands.
     assert rows == {victim: ("reclaimed", f"{name}-worker"), thief.json()["id"]: (None, "thief")}
+
+
+def test_two_examples_hold_a_semaphore_of_two_at_once_and_another_max_holders_is_refused(
+    db_url: str, tmp_path: Path
+) -> None:
+    settings = {"WORKER_TTL": "5", "WORKER_WORK_SECONDS": "1.5", "WORKER_WAIT_SECONDS": "0"}
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "serve.log") as (url, _):
+        with ExitStack() as stack:
+            semaphore = {**settings, "WORKER_MAX_HOLDERS": "2"}
+            workers = {name: stack.enter_context(worker(name, url, tmp_path, semaphore)) for name in EXAMPLES}
+            statuses = {name: process.wait(timeout=30) for name, process in workers.items()}
+        logs = {name: (tmp_path / f"{name}.log").read_text() for name in EXAMPLES}
+        assert statuses == {"curl": 0, "node": 0}, logs  # no wait: both got a slot at once
+        outputs = {name: lines(tmp_path / f"{name}.out") for name in EXAMPLES}
+        assert sorted(output[0][4] for output in outputs.values()) == ["0", "1"], outputs
+
+        body = {"organization_id": KEY[0], "job_type": KEY[1], "holder": "three", "ttl_seconds": 30}
+        held = httpx.post(f"{url}/v1/locks", json={**body, "max_holders": 3}, timeout=5)
+        assert held.status_code == 201, held.text
+        mismatch = {**settings, "WORKER_MAX_HOLDERS": "2", "WORKER_WAIT_SECONDS": "20"}
+        for name in EXAMPLES:
+            (tmp_path / f"{name}.out").unlink()
+            with worker(name, url, tmp_path, mismatch) as process:
+                assert process.wait(timeout=10) == 2, "a mismatch is a configuration error, not waited for"
+            log = (tmp_path / f"{name}.log").read_text()
+            assert "WORKER_MAX_HOLDERS is 2, the key's is 3" in log, log
+            assert lines(tmp_path / f"{name}.out") == []

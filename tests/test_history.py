@@ -88,3 +88,120 @@ def test_a_lock_the_service_released_behind_its_holders_back_is_caught() -> None
     assert violations == ["lock 1: released while its holder, told it held the lock, never released it"], (
         violations
     )
+
+
+SEM = ("org", "exports")
+
+
+def semaphore() -> list[Grant]:
+    """A semaphore of 3, as the acquire function grants it (times in ms):
+    A, B, C take slots 0, 1, 2; A is released at 400 and D takes its slot at 500; at 1300 the
+    semaphore is full, so E reclaims B (the first to expire, at 1100) and takes slot 1; D and E
+    are released after their leases lapsed (nobody reclaimed them); C crashed, and at 3000 F,
+    with max_holders 2, finds none held: it reclaims C (slot 2) and starts the pair afresh in
+    slot 0; G takes slot 1."""
+    return [
+        Grant(1, SEM, 1, at(0), at(1000), at(400), "released", 3, 0),
+        Grant(2, SEM, 2, at(100), at(1100), at(1300), "reclaimed", 3, 1),
+        Grant(3, SEM, 3, at(200), at(1200), at(3000), "reclaimed", 3, 2),
+        Grant(4, SEM, 4, at(500), at(1500), at(1600), "released", 3, 0),
+        Grant(5, SEM, 5, at(1300), at(2300), at(2400), "released", 3, 1),
+        Grant(6, SEM, 6, at(3000), at(4000), None, None, 2, 0),
+        Grant(7, SEM, 7, at(3100), at(4100), None, None, 2, 1),
+    ]
+
+
+def fourth(slot: int, max_holders: int = 3) -> Grant:
+    """A grant at 300, while A, B and C all hold the semaphore of 3."""
+    return Grant(8, SEM, 4, at(300), at(1300), at(350), "released", max_holders, slot)
+
+
+def test_a_sound_semaphore_history_passes() -> None:
+    grants = semaphore()
+    told = [replace(t, slot=g.slot) for t, g in zip(told_of(grants), grants, strict=True)]
+    assert check(grants, told, [Renewed(5, at(1400), at(2300))], released=[1, 4, 5]) == []
+    # Its slots and max_holders are what it takes to pass: all in one slot, it is broken.
+    violations = check([replace(g, max_holders=1, slot=0) for g in grants], told_of(grants), [])
+    assert any("overlap" in v or "never released" in v for v in violations), violations
+
+
+def test_four_live_at_once_on_a_semaphore_of_3_is_caught() -> None:
+    """Issue 21: the checker fails a history with 4 live at once, in whichever slot the fourth is."""
+    for slot in (3, 1):
+        grants = sorted([*semaphore()[:3], fourth(slot)], key=lambda g: g.lock_id)
+        violations = check(grants, told_of(grants), [])
+        assert f"{SEM}: 4 grants live at once at {at(300)}, more than max_holders 3: locks [1, 2, 3, 8]" in (
+            violations
+        ), violations
+    # A fourth that claims a max_holders of its own while the others hold 3 is no better.
+    grants = [*semaphore()[:3], fourth(3, max_holders=4)]
+    violations = check(grants, told_of(grants), [])
+    assert any("4 grants live at once" in v and "max_holders 3" in v for v in violations), violations
+    assert any("while locks of max_holders [3, 4] were live" in v for v in violations), violations
+
+
+BROKEN_SEMAPHORE: dict[str, tuple[list[Grant], str]] = {
+    # D takes slot 1 at 500 while B holds it until 1300: one slot held twice (three live).
+    "slot held twice": (
+        [*semaphore()[:3], replace(semaphore()[3], slot=1)],
+        f"{SEM}: lock 2 (token 2) then 4 in slot 1: overlap, granted 0:00:00.800000 early",
+    ),
+    "slot held twice, never released": (
+        [replace(semaphore()[0], released_at=None, release_reason=None), *semaphore()[1:4]],
+        f"{SEM}: lock 1 (token 1) then 4 in slot 0: granted while its predecessor was never released",
+    ),
+    "slot overlap": (
+        [*semaphore()[:3], replace(semaphore()[3], acquired_at=at(350))],
+        "then 4 in slot 0: overlap, granted 0:00:00.050000 early",
+    ),
+    "slot out of range": (
+        [*semaphore()[:2], replace(semaphore()[2], slot=3)],
+        f"{SEM}: lock 3 in slot 3, outside its max_holders 3",
+    ),
+    "early reclaim in its slot": (
+        [*semaphore()[:5], replace(semaphore()[1], expires_at=at(1400))],
+        "then 5 in slot 1: reclaimed before its lease expired",
+    ),
+    # F starts the pair afresh at 3000, reclaiming C in slot 2: C's lease ran until 3500.
+    "early reclaim from another slot": (
+        [*semaphore()[:2], replace(semaphore()[2], expires_at=at(3500)), *semaphore()[3:]],
+        f"{SEM}: lock 3 reclaimed at {at(3000)}, before its lease expired at {at(3500)}",
+    ),
+    "reclaimed by no grant": (
+        [*semaphore()[:2], replace(semaphore()[2], released_at=at(2900)), *semaphore()[3:]],
+        f"{SEM}: lock 3 reclaimed at {at(2900)}, when no grant was made",
+    ),
+    "token reused across slots": (
+        [semaphore()[0], replace(semaphore()[1], fencing_token=1)],
+        "fencing token 1 granted twice",
+    ),
+    "tokens against time across slots": (
+        [semaphore()[0], replace(semaphore()[1], fencing_token=3), replace(semaphore()[2], fencing_token=2)],
+        "do not follow grant order",
+    ),
+    # G joins with max_holders 3 while F holds the pair with 2: a mismatch granted.
+    "two max_holders live at once": (
+        [*semaphore()[:6], replace(semaphore()[6], max_holders=3)],
+        f"{SEM}: lock 7 (max_holders 3) granted at {at(3100)} while locks of max_holders [2, 3] were live",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN_SEMAPHORE)
+def test_broken_semaphore_history_is_caught(case: str) -> None:
+    grants, expected = BROKEN_SEMAPHORE[case]
+    violations = check(grants, told_of(grants), [])
+    assert any(expected in violation for violation in violations), violations
+
+
+def test_a_slot_held_twice_is_caught_even_when_no_more_than_max_holders_are_live() -> None:
+    grants = [*semaphore()[:3], replace(semaphore()[3], slot=1)]
+    violations = check(grants, told_of(grants), [])
+    assert any("in slot 1: overlap" in v for v in violations), violations
+    assert not any("live at once" in v for v in violations), violations
+
+
+def test_a_slot_the_client_was_not_told_is_caught() -> None:
+    grants = semaphore()
+    told = [replace(told_of(grants)[1], slot=2)]
+    assert any(v.startswith("lock 2: the client was told") for v in check(grants, told, [])), told

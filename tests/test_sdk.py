@@ -1,6 +1,6 @@
 """The SDK's promises, each checked on both clients (LockClient and AsyncLockClient) against a real
 service: a lease lost on 403, 404 or 410 and by its own clock, waiting, a retry after a lost
-answer that gets the same grant, and a 503's Retry-After honoured."""
+answer that gets the same grant, a 503's Retry-After honoured, and semaphores (max_holders)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,16 @@ from typing import Any
 import psycopg
 import pytest
 
-from helix_locks import AsyncLockClient, Lease, LockClient, LockHeld, LockLost
+from helix_locks import (
+    AsyncLockClient,
+    HelixError,
+    Lease,
+    LockClient,
+    LockHeld,
+    LockLost,
+    MaxHoldersMismatch,
+)
+from helix_locks.client import _grant
 from tests.support import LyingProxy, running_service
 
 
@@ -209,3 +218,80 @@ def test_a_release_retried_after_a_503_counts_as_released(kind: str, service: tu
         client.release(grant.id, grant.token)  # the retry finds it released by itself: no LockLost
         assert client.current("acme", "lost-release") is None
     assert [status for method, _, status in proxy.told if method == "DELETE"] == [503, 410]
+
+
+# --- semaphores (max_holders) ---------------------------------------------------------------------
+
+
+def test_a_semaphore_of_three_gives_each_lease_its_slot_and_a_fourth_is_told_every_holder(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    url, _ = service
+    with either(kind, url) as client:
+        with contextlib.ExitStack() as held:
+            leases = [
+                held.enter_context(client.lock("acme", "export", ttl=30, holder=f"w{n}", max_holders=3))
+                for n in range(3)
+            ]
+            assert sorted(lease.slot for lease in leases) == [0, 1, 2]
+            assert {lease.max_holders for lease in leases} == {3}
+            tokens = [lease.fencing_token for lease in leases]
+            assert tokens == sorted(set(tokens)), "distinct, increasing across the slots"
+            for lease in leases:
+                in_slot = client.current("acme", "export", slot=lease.slot)
+                assert in_slot is not None and in_slot["id"] == lease.grant.id
+            newest = client.current("acme", "export")
+            assert newest is not None and newest["fencing_token"] == tokens[-1]
+
+            fourth = client.lock("acme", "export", holder="w3", max_holders=3)
+            with pytest.raises(LockHeld) as full, fourth:
+                pass
+            assert full.value.max_holders == 3 and full.value.retry_after >= 1
+            assert len(full.value.holders) == 3
+            assert {(h["lock_id"], h["slot"]) for h in full.value.holders} == {
+                (lease.grant.id, lease.slot) for lease in leases
+            }
+
+            started = time.monotonic()
+            wrong = client.lock("acme", "export", holder="w4", max_holders=2, wait=20)
+            with pytest.raises(MaxHoldersMismatch) as mismatch, wrong:
+                pass
+            assert time.monotonic() - started < 5, "a mismatch is not waited for"
+            assert mismatch.value.max_holders == 3 and isinstance(mismatch.value, HelixError)
+        assert client.current("acme", "export") is None, "every block released its slot"
+
+
+def test_a_waiting_lock_on_a_full_semaphore_is_granted_when_one_holder_releases(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    url, _ = service
+    with either(kind, url) as holder, either(kind, url) as waiter:
+        grants = [holder.acquire("acme", "upstream", ttl=60, max_holders=2) for _ in range(2)]
+        granted: list[tuple[int, int, float]] = []
+
+        def wait_for_a_slot() -> None:
+            with waiter.lock("acme", "upstream", ttl=60, wait=30, max_holders=2) as lease:
+                granted.append((lease.slot, lease.fencing_token, time.monotonic()))
+
+        thread = threading.Thread(target=wait_for_a_slot)
+        thread.start()
+        time.sleep(0.5)
+        assert not granted, "waits while every slot is held"
+        released_at = time.monotonic()
+        holder.release(grants[1].id, grants[1].token)
+        thread.join(timeout=30)
+        assert granted, "granted within its wait"
+        slot, token, at = granted[0]
+        assert slot == grants[1].slot and token == grants[1].fencing_token + 1
+        assert at - released_at < 5, "woken by the release, not by a lease's expiry (60 s)"
+        holder.release(grants[0].id, grants[0].token)
+
+
+def test_an_older_service_without_semaphores_reads_as_one_slot() -> None:
+    body = {"id": 7, "organization_id": "acme", "job_type": "x", "fencing_token": 3, "token": "t"}
+    grant = _grant({**body, "ttl_remaining_ms": 30_000}, 30, time.monotonic())
+    assert (grant.max_holders, grant.slot) == (1, 0)
+    assert (Lease(grant).max_holders, Lease(grant).slot) == (1, 0)
+    held = LockHeld({"lock_id": 7, "holder": "w", "expires_at": "2026-12-01T00:00:00Z"}, 1.0)
+    assert held.max_holders == 1
+    assert held.holders == [{"lock_id": 7, "holder": "w", "slot": 0, "expires_at": "2026-12-01T00:00:00Z"}]

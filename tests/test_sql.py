@@ -19,6 +19,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from helix_locks import queries
+from tests.history import check, database_history
 
 Conn = psycopg.Connection[Any]
 
@@ -515,3 +516,176 @@ def test_tokens_carry_128_random_bits(conn: Conn) -> None:
     for position in range(32):
         seen = {token[position] for token in tokens}
         assert len(seen) == 16, f"hex digit {position} took only {sorted(seen)} in 400 tokens"
+
+
+# Semaphores (issue 21): the races of several slots, each forced into one interleaving.
+
+SEMAPHORE = ("org", "exports")
+
+
+def acquire_slot(conn: Conn, holder: str, max_holders: int = 3) -> dict[str, Any]:
+    return acquire(conn, holder, key=SEMAPHORE, max_holders=max_holders)
+
+
+def live_slots(conn: Conn) -> list[tuple[int, str, int, int]]:
+    """(slot, holder, fencing token, max_holders) of each unreleased lock, by slot."""
+    return [
+        (r[0], r[1], r[2], r[3])
+        for r in conn.execute(
+            "SELECT slot, holder, fencing_token, max_holders FROM helix_job_locks"
+            " WHERE released_at IS NULL ORDER BY slot"
+        ).fetchall()
+    ]
+
+
+def assert_history_sound(db_url: str) -> None:
+    """The database's own history passes the checker: no slot doubled, never more live than
+    max_holders, tokens increasing across slots."""
+    violations = check(database_history(db_url), [], [])
+    assert violations == [], violations
+
+
+@pytest.mark.parametrize("first_outcome", ["commit", "rollback"])
+def test_two_acquires_for_the_last_free_slot_have_exactly_one_winner(
+    db_url: str, conn: Conn, first_outcome: str
+) -> None:
+    """Slots 0 and 1 are held; two connections race for slot 2. The second waits on the pair's
+    counter row: if the first commits, the pair is full (23505 naming all three holders); if it
+    rolls back, the second takes slot 2 with the token the first gave back."""
+    held = [acquire_slot(conn, f"w{n}") for n in range(2)]
+    with psycopg.connect(db_url) as first, psycopg.connect(db_url, autocommit=True) as second:
+        winner = acquire_slot(first, "first")  # transaction left open, the counter row locked
+        assert (winner["slot"], winner["fencing_token"]) == (2, 3)
+        with waiting(conn, second, lambda: acquire_slot(second, "second")) as outcome:
+            getattr(first, first_outcome)()
+
+    if first_outcome == "commit":
+        assert isinstance(outcome.get("error"), errors.UniqueViolation), outcome
+        detail = json.loads(outcome["error"].diag.message_detail)
+        assert [(h["lock_id"], h["slot"]) for h in detail["holders"]] == [
+            (held[0]["id"], 0),
+            (held[1]["id"], 1),
+            (winner["id"], 2),
+        ]
+        assert (detail["max_holders"], detail["max_holders_in_force"]) == (3, None)
+        assert live_slots(conn) == [(0, "w0", 1, 3), (1, "w1", 2, 3), (2, "first", 3, 3)]
+    else:
+        assert "error" not in outcome, outcome["error"]
+        assert outcome["result"]["reclaimed_lock_id"] is None
+        assert live_slots(conn) == [(0, "w0", 1, 3), (1, "w1", 2, 3), (2, "second", 3, 3)]
+    assert counter_of(conn, SEMAPHORE) == 3, "the loser's fencing increment was rolled back"
+    assert conn.execute("SELECT count(*) FROM helix_job_locks").fetchone() == (3,)
+    assert_history_sound(db_url)
+
+
+@pytest.mark.parametrize("order", ["release commits first", "release rolls back", "reclaim first"])
+def test_a_reclaim_racing_the_release_of_another_slot(db_url: str, conn: Conn, order: str) -> None:
+    """A full semaphore of 3: slot 0's lease has run out (its holder crashed), and slot 2's holder
+    releases while a fourth worker acquires. Both succeed whatever the order, and no slot is held
+    twice. Which slot the acquire takes follows API.md: a free slot if there is one, else the
+    lock that expired first, reclaimed.
+    - The release commits first: the acquire waited on slot 2's row (it locks every unreleased
+      lock of the pair) and then sees slot 2 free, so it takes slot 2 and reclaims nothing, though
+      slot 0 is lower and expired: the crashed holder's lease stays, unreleased, for a later
+      acquire to reclaim (or its holder to renew).
+    - The release rolls back (it is retried after): the acquire sees no free slot and reclaims
+      slot 0.
+    - The acquire comes first: it reclaims slot 0, and the release waits on slot 2's row, which
+      the acquire locked, then succeeds once the acquire commits."""
+    crashed, steady, leaving = (acquire_slot(conn, name) for name in ("crashed", "steady", "leaving"))
+    expire(conn, crashed["id"])  # the first grant: moving its times back keeps tokens in time order
+    with psycopg.connect(db_url) as first, psycopg.connect(db_url, autocommit=True) as second:
+        if order == "reclaim first":
+            grant = acquire_slot(first, "fourth")  # transaction left open
+            with waiting(conn, second, lambda: release(second, leaving["id"], leaving["token"])) as outcome:
+                first.commit()
+            assert "error" not in outcome, outcome["error"]
+            assert outcome["result"]["released_at"] > grant["acquired_at"]
+        else:
+            release(first, leaving["id"], leaving["token"])  # transaction left open, the row locked
+            with waiting(conn, second, lambda: acquire_slot(second, "fourth")) as outcome:
+                getattr(first, "commit" if order == "release commits first" else "rollback")()
+            assert "error" not in outcome, outcome["error"]
+            grant = outcome["result"]
+            if order == "release rolls back":
+                release(conn, leaving["id"], leaving["token"])  # its holder retries
+
+    assert grant["fencing_token"] == 4
+    if order == "release commits first":
+        assert (grant["slot"], grant["reclaimed_lock_id"]) == (2, None)
+        assert grant["acquired_at"] >= row(conn, leaving["id"])["released_at"]
+        assert row(conn, crashed["id"])["released_at"] is None, "a free slot is taken before a reclaim"
+        assert live_slots(conn) == [(0, "crashed", 1, 3), (1, "steady", 2, 3), (2, "fourth", 4, 3)]
+    else:
+        assert (grant["slot"], grant["reclaimed_lock_id"]) == (0, crashed["id"])
+        reclaimed = row(conn, crashed["id"])
+        assert (reclaimed["release_reason"], reclaimed["released_at"]) == ("reclaimed", grant["acquired_at"])
+        assert live_slots(conn) == [(0, "fourth", 4, 3), (1, "steady", 2, 3)]
+    assert row(conn, leaving["id"])["release_reason"] == "released"
+    assert row(conn, steady["id"])["released_at"] is None
+    assert_history_sound(db_url)
+
+
+@pytest.mark.parametrize("order", ["release commits first", "release rolls back", "release after"])
+def test_a_max_holders_mismatch_racing_the_release_of_the_last_live_lock(
+    db_url: str, conn: Conn, order: str
+) -> None:
+    """A semaphore of 3 with one held lock (slot 1) and one whose lease ran out (slot 0); an
+    acquire with max_holders 2 races the release of the held one.
+    - The release commits first (the acquire waited on its row): none is held, so the acquire
+      starts the pair afresh: granted with max_holders 2 in slot 0, reclaiming the expired lock
+      of the other value.
+    - The release rolls back: the acquire sees the lock held with 3: 23505, max_holders_in_force 3.
+    - The release comes after (the acquire decided first): 23505 the same way, at once and
+      leaving nothing behind; the release then succeeds, and a repeat of the acquire starts the
+      pair afresh."""
+    expired = acquire_slot(conn, "crashed")
+    last = acquire_slot(conn, "last")
+    expire(conn, expired["id"])
+
+    def mismatch(c: Conn) -> dict[str, Any]:
+        return acquire_slot(c, "other", max_holders=2)
+
+    with psycopg.connect(db_url) as releaser, psycopg.connect(db_url, autocommit=True) as acquirer:
+        if order == "release after":
+            releaser.execute("SELECT 1")  # its transaction is open before the acquire and ends after
+            with pytest.raises(errors.UniqueViolation) as raised:
+                mismatch(acquirer)
+            outcome: dict[str, Any] = {"error": raised.value}
+            release(releaser, last["id"], last["token"])
+            releaser.commit()
+        else:
+            release(releaser, last["id"], last["token"])  # transaction left open, the row locked
+            with waiting(conn, acquirer, lambda: mismatch(acquirer)) as outcome:
+                getattr(releaser, "commit" if order == "release commits first" else "rollback")()
+
+    if order == "release commits first":
+        assert "error" not in outcome, outcome["error"]
+        grant = outcome["result"]
+        assert grant["acquired_at"] >= row(conn, last["id"])["released_at"]
+    else:
+        assert isinstance(outcome.get("error"), errors.UniqueViolation), outcome
+        detail = json.loads(outcome["error"].diag.message_detail)
+        assert (detail["max_holders"], detail["max_holders_in_force"]) == (3, 3)
+        assert [(h["lock_id"], h["slot"]) for h in detail["holders"]] == [(last["id"], 1)]
+        assert counter_of(conn, SEMAPHORE) == 2, "the refused acquire's fencing increment was rolled back"
+        assert row(conn, expired["id"])["released_at"] is None, "nor did it reclaim anything"
+        if order == "release rolls back":
+            assert row(conn, last["id"])["released_at"] is None
+            release(conn, last["id"], last["token"])  # its holder retries
+        assert row(conn, last["id"])["release_reason"] == "released"
+        grant = mismatch(conn)
+
+    assert (grant["slot"], grant["max_holders"], grant["fencing_token"]) == (0, 2, 3)
+    assert grant["reclaimed_lock_id"] == expired["id"]
+    assert row(conn, expired["id"])["released_at"] == grant["acquired_at"]
+    assert live_slots(conn) == [(0, "other", 3, 2)]
+    assert_history_sound(db_url)
+
+
+def counter_of(conn: Conn, key: tuple[str, str]) -> int:
+    value = conn.execute(
+        "SELECT last_fencing_token FROM helix_lock_keys WHERE organization_id = %s AND job_type = %s", key
+    ).fetchone()
+    assert value is not None
+    return int(value[0])

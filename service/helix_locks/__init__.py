@@ -19,6 +19,7 @@ from helix_locks.client import (
     LockClient,
     LockHeld,
     LockLost,
+    MaxHoldersMismatch,
     SyncLease,
     Unavailable,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "LockClient",
     "LockHeld",
     "LockLost",
+    "MaxHoldersMismatch",
     "SyncLease",
     "Unavailable",
 ]

@@ -63,7 +63,14 @@ def client_command(args: argparse.Namespace) -> int:
     with _client(args) as client:
         try:
             if args.command == "acquire":
-                grant = client.acquire(args.org, args.job_type, args.ttl, args.holder, wait=args.wait)
+                grant = client.acquire(
+                    args.org,
+                    args.job_type,
+                    args.ttl,
+                    args.holder,
+                    wait=args.wait,
+                    max_holders=args.max_holders,
+                )
                 _print_json(grant.body)
             elif args.command == "renew":
                 _print_json(client.renew(args.lock_id, args.token, args.ttl))
@@ -71,7 +78,7 @@ def client_command(args: argparse.Namespace) -> int:
                 client.release(args.lock_id, args.token)
                 _print_json(client.get(args.lock_id))  # as it ended: state, released_at
             elif args.command == "current":
-                held = client.current(args.org, args.job_type)
+                held = client.current(args.org, args.job_type, args.slot)
                 if held is None:
                     print(f"helix-locks: no lock is held for {args.org}/{args.job_type}", file=sys.stderr)
                     return 1
@@ -122,7 +129,14 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     with _client(args) as client:
         return runner.run(
-            client, args.org, args.job_type, args.ttl, args.wait, command, pass_api_key=args.pass_api_key
+            client,
+            args.org,
+            args.job_type,
+            args.ttl,
+            args.wait,
+            command,
+            pass_api_key=args.pass_api_key,
+            max_holders=args.max_holders,
         )
 
 
@@ -203,14 +217,26 @@ def parser() -> argparse.ArgumentParser:
         command.add_argument("--job-type", required=True, help="job type")
         command.add_argument("--ttl", type=float, default=30.0, help=ttl_help)
         command.add_argument("--wait", type=float, default=0.0, help="seconds to wait for a held lock")
+        command.add_argument(
+            "--max-holders",
+            type=int,
+            default=1,
+            metavar="N",
+            help="a semaphore: up to N hold the lock at once, each in a slot from 0 to N-1 (default 1); "
+            "every holder of the key must give the same N",
+        )
 
     run_cmd = commands.add_parser(
         "run",
         help="hold a lock while a command runs",
         description="Hold the lock while COMMAND runs, renewing it, and release it when COMMAND ends. "
+        "COMMAND finds the lock's id in HELIX_LOCKS_LOCK_ID, its fencing token in "
+        "HELIX_LOCKS_FENCING_TOKEN and its slot (0 unless --max-holders is more than 1) in "
+        "HELIX_LOCKS_SLOT. "
         f"Exit status: COMMAND's (128+N if signal N ended it); {runner.EXIT_HELD} if the lock is held "
-        f"elsewhere; {runner.EXIT_LOST} if the lock was lost and COMMAND stopped; "
-        f"{runner.EXIT_UNAVAILABLE} if the service could not be reached.",
+        f"elsewhere (every slot, with --max-holders); {runner.EXIT_LOST} if the lock was lost and "
+        f"COMMAND stopped; {runner.EXIT_UNAVAILABLE} if the service could not be reached or refused "
+        "the acquire (such as a --max-holders other than the one the key's holders share).",
     )
     lock_options(run_cmd, "lease in seconds, renewed every ttl/3 (default 30)")
     client_options(run_cmd)
@@ -240,6 +266,13 @@ def parser() -> argparse.ArgumentParser:
     )
     current_cmd.add_argument("--org", required=True, help="organization id")
     current_cmd.add_argument("--job-type", required=True, help="job type")
+    current_cmd.add_argument(
+        "--slot",
+        type=int,
+        default=None,
+        help="of a semaphore: the lock held in this slot (default: the held lock with the highest "
+        "fencing token)",
+    )
     client_options(current_cmd)
     current_cmd.set_defaults(handler=client_command)
     list_cmd = commands.add_parser("list", help="list locks as JSON")

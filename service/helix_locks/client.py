@@ -6,6 +6,9 @@
             lease.check()                       # raises LockLost once the lock may be gone
             store(chunk, fence=lease.fencing_token)
 
+    with client.lock("acme", "export", max_holders=3) as lease:   # a semaphore: 3 at once
+        export(fence=(lease.slot, lease.fencing_token))         # fence per slot
+
 A lease counts as lost as soon as a renewal is refused (410, 403, 404), and also when it could
 have lapsed by this process's own monotonic clock: renewals that keep failing never go unnoticed.
 
@@ -44,6 +47,7 @@ WATCH_READ_SECONDS = 45.0
 # watchers (429, 503), the database out of reach (503), a proxy's 502 or 504 while a replica
 # restarts. Any other refusal ends it.
 WATCH_RETRIED = (429, 502, 503, 504)
+MISMATCH = "urn:helix-locks:problem:max-holders-mismatch"
 
 
 class HelixError(Exception):
@@ -64,14 +68,35 @@ class Unavailable(HelixError):
 
 
 class LockHeld(HelixError):
-    """Another holder has the lock."""
+    """Another holder has the lock; of a semaphore, live locks hold every slot.
+
+    `lock_id`, `holder` and `expires_at` name the held lock whose lease runs out first; `holders`
+    lists every held lock (`lock_id`, `holder`, `slot`, `expires_at`); `max_holders` their number
+    of slots."""
 
     def __init__(self, problem: Mapping[str, Any], retry_after: float) -> None:
         super().__init__(f"held by {problem.get('holder')} until {problem.get('expires_at')}")
         self.lock_id: int | None = problem.get("lock_id")
         self.holder: str | None = problem.get("holder")
         self.expires_at: str | None = problem.get("expires_at")
+        self.max_holders: int = problem.get("max_holders") or 1
+        holders = problem.get("holders")
+        if holders is None and self.lock_id is not None:  # an older service names the one holder
+            holders = [
+                {"lock_id": self.lock_id, "holder": self.holder, "slot": 0, "expires_at": self.expires_at}
+            ]
+        self.holders: list[dict[str, Any]] = list(holders or [])
         self.retry_after = retry_after
+
+
+class MaxHoldersMismatch(ApiError):
+    """The key's held locks share another max_holders than the acquire named (409
+    max-holders-mismatch): a configuration error, which waiting does not cure. `max_holders` is
+    the value in force."""
+
+    def __init__(self, problem: Mapping[str, Any]) -> None:
+        super().__init__(409, problem)
+        self.max_holders: int | None = problem.get("max_holders")
 
 
 class LockLost(HelixError):
@@ -104,6 +129,9 @@ class Grant:
     # This process's monotonic clock when the acquire was sent: the lease is counted from there.
     sent_at: float = field(repr=False)
     body: dict[str, Any] = field(repr=False)
+    # Of a semaphore: how many may hold the key at once, and which place, from 0, this one holds.
+    max_holders: int = 1
+    slot: int = 0
 
 
 def default_holder() -> str:
@@ -131,6 +159,8 @@ def _raise_for(response: httpx.Response, holding: bool) -> None:
     if response.status_code < 400:
         return
     problem = _problem(response)
+    if response.status_code == 409 and problem.get("type") == MISMATCH:
+        raise MaxHoldersMismatch(problem)
     if response.status_code == 409:
         raise LockHeld(problem, _retry_after(response, 1.0))
     if response.status_code == 410 or (holding and response.status_code in GONE):
@@ -174,7 +204,12 @@ def _backoff(attempt: int, response: httpx.Response | None) -> float:
 
 
 def _acquire_body(
-    organization_id: str, job_type: str, ttl: float, holder: str | None, metadata: Mapping[str, Any] | None
+    organization_id: str,
+    job_type: str,
+    ttl: float,
+    holder: str | None,
+    metadata: Mapping[str, Any] | None,
+    max_holders: int = 1,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "organization_id": organization_id,
@@ -184,6 +219,8 @@ def _acquire_body(
     }
     if metadata is not None:
         body["metadata"] = dict(metadata)
+    if max_holders != 1:  # 1 is the default: a service older than semaphores gets the same body
+        body["max_holders"] = max_holders
     return body
 
 
@@ -210,6 +247,8 @@ def _grant(body: dict[str, Any], ttl: float, sent_at: float) -> Grant:
         ttl=ttl,
         sent_at=sent_at,
         body=body,
+        max_holders=body.get("max_holders", 1),  # absent from a service older than semaphores
+        slot=body.get("slot", 0),
     )
 
 
@@ -291,6 +330,9 @@ class Lease:
     def __init__(self, grant: Grant) -> None:
         self.grant = grant
         self.fencing_token = grant.fencing_token
+        # Of a semaphore: the place this lease holds (0 to max_holders - 1). Fence per slot.
+        self.slot = grant.slot
+        self.max_holders = grant.max_holders
         self._deadline = grant.sent_at + grant.ttl  # by our monotonic clock, from the request's start
         self._lost_reason: str | None = None
 
@@ -450,8 +492,9 @@ class _Core:
         holder: str | None,
         metadata: Mapping[str, Any] | None,
         wait: float,
+        max_holders: int = 1,
     ) -> Flow[Grant]:
-        body = _acquire_body(organization_id, job_type, ttl, holder, metadata)
+        body = _acquire_body(organization_id, job_type, ttl, holder, metadata, max_holders)
         headers = {"Idempotency-Key": uuid.uuid4().hex}  # so that a retry never locks us out
         give_up = time.monotonic() + wait
         while True:
@@ -521,8 +564,10 @@ class _Core:
         found: dict[str, Any] = (yield from self._send("GET", path, params=params)).json()
         return found
 
-    def _current(self, organization_id: str, job_type: str) -> Flow[dict[str, Any] | None]:
-        params = {"organization_id": organization_id, "job_type": job_type}
+    def _current(self, organization_id: str, job_type: str, slot: int | None) -> Flow[dict[str, Any] | None]:
+        params: dict[str, Any] = {"organization_id": organization_id, "job_type": job_type}
+        if slot is not None:
+            params["slot"] = slot
         try:
             return (yield from self._get("/v1/locks/current", params))
         except ApiError as exc:
@@ -636,10 +681,13 @@ class LockClient(_Core):
         holder: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0,
+        max_holders: int = 1,
     ) -> Grant:
         """Acquire, or LockHeld. With `wait`, the service waits for a held lock for up to that
-        many seconds (in rounds of at most 60) before answering."""
-        return self._run(self._acquire(organization_id, job_type, ttl, holder, metadata, wait))
+        many seconds (in rounds of at most 60) before answering. With `max_holders` N, up to N
+        hold the key at once, each in a slot of its own (grant.slot); MaxHoldersMismatch, at
+        once, when the held locks of the key share another value."""
+        return self._run(self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders))
 
     def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
         return self._run(self._renew(lock_id, token, ttl, within))
@@ -661,9 +709,10 @@ class LockClient(_Core):
     def list(self, **params: Any) -> dict[str, Any]:
         return self._run(self._get("/v1/locks", params))
 
-    def current(self, organization_id: str, job_type: str) -> dict[str, Any] | None:
-        """The lock held now for the key, or None."""
-        return self._run(self._current(organization_id, job_type))
+    def current(self, organization_id: str, job_type: str, slot: int | None = None) -> dict[str, Any] | None:
+        """The lock held now for the key, or None: the one with the highest fencing token, or
+        with `slot`, the one in that slot of a semaphore."""
+        return self._run(self._current(organization_id, job_type, slot))
 
     def watch(
         self,
@@ -715,9 +764,11 @@ class LockClient(_Core):
         holder: str | None = None,
         wait: float = 0,
         metadata: Mapping[str, Any] | None = None,
+        max_holders: int = 1,
     ) -> Iterator[SyncLease]:
-        """Hold the lock for the block: renewed every ttl/3 in a thread, released at the end."""
-        grant = self.acquire(organization_id, job_type, ttl, holder, metadata, wait)
+        """Hold the lock for the block: renewed every ttl/3 in a thread, released at the end.
+        With `max_holders` N, a semaphore: up to N blocks hold the key at once (lease.slot)."""
+        grant = self.acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders)
         lease = SyncLease(grant, self)
         stop = threading.Event()
         renewer = threading.Thread(
@@ -784,9 +835,12 @@ class AsyncLockClient(_Core):
         holder: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0,
+        max_holders: int = 1,
     ) -> Grant:
         """As LockClient.acquire."""
-        return await self._run(self._acquire(organization_id, job_type, ttl, holder, metadata, wait))
+        return await self._run(
+            self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders)
+        )
 
     async def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
         return await self._run(self._renew(lock_id, token, ttl, within))
@@ -805,9 +859,11 @@ class AsyncLockClient(_Core):
     async def list(self, **params: Any) -> dict[str, Any]:
         return await self._run(self._get("/v1/locks", params))
 
-    async def current(self, organization_id: str, job_type: str) -> dict[str, Any] | None:
+    async def current(
+        self, organization_id: str, job_type: str, slot: int | None = None
+    ) -> dict[str, Any] | None:
         """As LockClient.current."""
-        return await self._run(self._current(organization_id, job_type))
+        return await self._run(self._current(organization_id, job_type, slot))
 
     async def watch(
         self,
@@ -860,9 +916,10 @@ class AsyncLockClient(_Core):
         holder: str | None = None,
         wait: float = 0,
         metadata: Mapping[str, Any] | None = None,
+        max_holders: int = 1,
     ) -> AsyncIterator[AsyncLease]:
         """As LockClient.lock, renewed by a task."""
-        grant = await self.acquire(organization_id, job_type, ttl, holder, metadata, wait)
+        grant = await self.acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders)
         lease = AsyncLease(grant, self)
         renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")
         try:

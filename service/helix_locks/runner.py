@@ -2,8 +2,9 @@
 
 The command runs in a process group of its own, so that stopping it stops everything it started
 (a shell wrapper's children included). Exit statuses: the command's own, or 128+N if signal N
-ended it; EXIT_HELD when another holder has the lock; EXIT_LOST when the lock was lost and the
-command stopped; EXIT_UNAVAILABLE when the service could not be reached to acquire.
+ended it; EXIT_HELD when another holder has the lock (every slot, for a semaphore); EXIT_LOST
+when the lock was lost and the command stopped; EXIT_UNAVAILABLE when the service could not be
+reached to acquire, or refused it (a max_holders other than the held locks', among others).
 """
 
 from __future__ import annotations
@@ -71,13 +72,14 @@ def run(
     wait: float,
     command: list[str],
     pass_api_key: bool = False,
+    max_holders: int = 1,
 ) -> int:
     # Until the command exists, a signal ends `run` itself (with 128+N, as the command would).
     previous = {signum: signal.signal(signum, _interrupt) for signum in FORWARDED}
     # The command gets no API key of ours unless asked: it holds the lock, not the key.
     env = {k: v for k, v in os.environ.items() if pass_api_key or k != API_KEY_VARIABLE}
     try:
-        return _run(client, organization_id, job_type, ttl, wait, command, env)
+        return _run(client, organization_id, job_type, ttl, wait, command, env, max_holders)
     except Interrupted as interrupted:
         say(f"interrupted by signal {interrupted.signum} before the command started")
         return 128 + interrupted.signum
@@ -94,11 +96,18 @@ def _run(
     wait: float,
     command: list[str],
     env: dict[str, str],
+    max_holders: int = 1,
 ) -> int:
     try:
-        grant = client.acquire(organization_id, job_type, ttl, wait=wait)
+        grant = client.acquire(organization_id, job_type, ttl, wait=wait, max_holders=max_holders)
     except LockHeld as held:
-        say(f"{organization_id}/{job_type} is held by {held.holder} until {held.expires_at}")
+        if held.max_holders > 1:
+            say(
+                f"all {held.max_holders} slots of {organization_id}/{job_type} are held;"
+                f" the first lease ends at {held.expires_at}"
+            )
+        else:
+            say(f"{organization_id}/{job_type} is held by {held.holder} until {held.expires_at}")
         return EXIT_HELD
     except HelixError as exc:
         say(f"could not acquire: {exc}")
@@ -112,8 +121,14 @@ def _run(
     stop = threading.Event()
     renewer = threading.Thread(target=client.keep_alive, args=(lease, stop), daemon=True)
     renewer.start()
-    # What the command needs to fence its writes (and to name the lock it runs under).
-    env = {**env, "HELIX_LOCKS_LOCK_ID": str(grant.id), "HELIX_LOCKS_FENCING_TOKEN": str(grant.fencing_token)}
+    # What the command needs to fence its writes (and to name the lock it runs under); of a
+    # semaphore, the slot it holds, by which it keys its fence.
+    env = {
+        **env,
+        "HELIX_LOCKS_LOCK_ID": str(grant.id),
+        "HELIX_LOCKS_FENCING_TOKEN": str(grant.fencing_token),
+        "HELIX_LOCKS_SLOT": str(grant.slot),
+    }
     try:
         process = subprocess.Popen(command, start_new_session=True, env=env)
     except OSError as exc:
