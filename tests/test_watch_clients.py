@@ -183,10 +183,17 @@ class StandIn:
         elif answer.end == "hang":
             connection.settimeout(0.05)
             while not self._stop.is_set():
-                with contextlib.suppress(TimeoutError):
+                try:
                     if not connection.recv(1):
                         self.closed_by_peer += 1
                         return
+                except TimeoutError:
+                    continue
+                except ConnectionResetError:
+                    # The client closed while a frame was in flight: the kernel answered it with a
+                    # reset rather than an end of file. Closed all the same.
+                    self.closed_by_peer += 1
+                    return
         # "cut": the connection closes with the body unfinished.
 
 
