@@ -21,7 +21,7 @@ from psycopg import sql
 from helix_locks import embedded
 from helix_locks.app import create_app
 from helix_locks.migrate import migrate
-from tests.support import ROUTE, in_process, pgbouncer, url_for
+from tests.support import ROUTE, build_node_client, in_process, pgbouncer, url_for
 
 TEST_DATABASE_URL = "HELIX_TEST_DATABASE_URL"
 # HELIX_TEST_POOLER=pgbouncer: every service under test reaches its database through PgBouncer
@@ -32,6 +32,14 @@ TEST_POOLER = "HELIX_TEST_POOLER"
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def node_client() -> Path:
+    """clients/node, built (see build_node_client); node and npm must be on PATH."""
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.fail("the Node client's tests need node and npm (Node 20 or later) on PATH")
+    return build_node_client()
 
 
 @pytest.fixture(scope="session")

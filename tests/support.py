@@ -31,6 +31,7 @@ from helix_locks.embedded import DIRECT_DATABASE_URL
 from helix_locks.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+NODE_CLIENT = ROOT / "clients" / "node"
 
 
 def url_for(server_url: str, dbname: str) -> str:
@@ -479,3 +480,24 @@ class Watch:
 
     def kinds(self) -> list[tuple[str, int]]:
         return [(event.type, event.data["lock"]["id"]) for event in self.events]
+
+
+def npm(*args: str, cwd: Path, timeout: float = 300) -> str:
+    """Run npm (without this process's HELIX_LOCKS_ variables); its output, or a failure that shows it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HELIX_LOCKS_")}
+    done = subprocess.run(["npm", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    said = f"npm {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, said
+    return done.stdout
+
+
+def build_node_client() -> Path:
+    """clients/node, built: `npm ci` when its dev dependencies are missing (CI runs it first), the
+    TypeScript compiled when dist/ is older than its sources."""
+    if not (NODE_CLIENT / "node_modules" / "typescript").is_dir():
+        npm("ci", "--no-audit", "--no-fund", cwd=NODE_CLIENT)
+    sources = [*NODE_CLIENT.glob("src/*.ts"), NODE_CLIENT / "tsconfig.json", NODE_CLIENT / "package.json"]
+    built = NODE_CLIENT / "dist" / "index.js"
+    if not built.exists() or built.stat().st_mtime < max(path.stat().st_mtime for path in sources):
+        npm("run", "build", cwd=NODE_CLIENT)
+    return NODE_CLIENT

@@ -1,0 +1,922 @@
+// The client: Helix Locks over HTTP with Node's own http module, AbortSignal and timers.
+
+import { randomUUID } from "node:crypto";
+import http, { type IncomingMessage } from "node:http";
+import https from "node:https";
+import { hostname, userInfo } from "node:os";
+
+import {
+  ApiError,
+  HelixLocksError,
+  LockHeldError,
+  LockLostError,
+  MaxHoldersMismatchError,
+  UnavailableError,
+} from "./errors.js";
+import { EventStreamDecoder, type ServerEvent } from "./sse.js";
+import type {
+  AcquireOptions,
+  Acquired,
+  ListOptions,
+  Lock,
+  LockEvent,
+  LockKey,
+  Metadata,
+  Page,
+  Problem,
+  Reclaimed,
+  Renewed,
+  WatchOptions,
+} from "./types.js";
+
+const DEFAULT_URL = "http://127.0.0.1:8080";
+/** Statuses that mean the lock is no longer ours, whatever we do. */
+const GONE = new Set([403, 404, 410]);
+/** A lease is given up this long before it would lapse by our clock (network and clock skew). */
+const SAFETY_FRACTION = 0.1;
+const MIN_SAFETY_MS = 100;
+const MAX_BACKOFF_MS = 2000;
+/** How long an acquire retries a refused connection: a restarting service takes longer, but a
+ * worker pointed at the wrong address should hear so at once. */
+const REFUSED_WITHIN_MS = 1000;
+/** Statuses retried (with the same Idempotency-Key, for an acquire): the outcome is unknown. */
+const RETRIED = new Set([502, 503, 504]);
+/** The service sends a keep-alive at least every 15 s: a watch that hears nothing for three of
+ * them takes its stream for dead and opens another. */
+const WATCH_SILENCE_MS = 45_000;
+/** Statuses after which a watch opens its stream again; any other refusal ends it. */
+const WATCH_RETRIED = new Set([429, 502, 503, 504]);
+const PROBLEM = "urn:helix-locks:problem:";
+
+const now = (): number => performance.now();
+
+/** What renew, update and release need of a held lock: a Grant, or `{ id, token }`. */
+export interface LockRef {
+  readonly id: number;
+  readonly token: string;
+  /** The lease in seconds that renew asks for when it is not given. */
+  readonly ttl?: number;
+}
+
+export interface LockClientOptions {
+  /** The service's address. Default: HELIX_LOCKS_URL, else http://127.0.0.1:8080. */
+  url?: string;
+  /** An API key (hlk_…), sent as a Bearer token. Default: HELIX_LOCKS_API_KEY. */
+  apiKey?: string;
+  /** Seconds one request may take (a waiting acquire: plus its wait). Default 10. */
+  timeout?: number;
+}
+
+/** An answer's headers, looked up by name (any case). */
+class AnswerHeaders {
+  readonly #raw: IncomingMessage["headers"];
+
+  constructor(raw: IncomingMessage["headers"]) {
+    this.#raw = raw;
+  }
+
+  get(name: string): string | null {
+    const value = this.#raw[name.toLowerCase()];
+    if (value === undefined) return null;
+    return Array.isArray(value) ? value.join(", ") : value;
+  }
+
+  has(name: string): boolean {
+    return this.#raw[name.toLowerCase()] !== undefined;
+  }
+}
+
+interface Answer {
+  status: number;
+  headers: AnswerHeaders;
+  body: any;
+}
+
+interface SendOptions {
+  query?: Record<string, string | number | undefined> | undefined;
+  headers?: Record<string, string>;
+  /** The request's body, computed again before each attempt. */
+  body?: () => unknown;
+  /** Extra milliseconds an attempt may take (a waiting acquire's wait). */
+  extraTimeoutMs?: () => number;
+  /** How long to go on retrying, from the first failed attempt, in milliseconds. */
+  withinMs: number;
+  /** How long to go on retrying a refused connection, from the first attempt. */
+  refusedWithinMs?: number;
+  /** The request acts on a lock we hold: 403 and 404 mean it is lost too. */
+  holding?: boolean;
+  signal?: AbortSignal | undefined;
+}
+
+let holderName: string | undefined;
+
+/** user@host:pid, so that a human can tell whose worker holds a lock. */
+export function defaultHolder(): string {
+  if (holderName === undefined) {
+    let user = "node";
+    try {
+      user = userInfo().username || user;
+    } catch {
+      // no passwd entry for this uid (a container): keep "node"
+    }
+    holderName = `${user}@${hostname()}:${process.pid}`;
+  }
+  return holderName;
+}
+
+/** Several signals as one; `dispose` removes its listeners from long-lived signals. */
+function anySignal(signals: Array<AbortSignal | undefined>): { signal: AbortSignal; dispose: () => void } {
+  const present = signals.filter((s): s is AbortSignal => s !== undefined);
+  if (present.length === 1) return { signal: present[0]!, dispose: () => {} };
+  const controller = new AbortController();
+  const listeners: Array<[AbortSignal, () => void]> = [];
+  const dispose = (): void => {
+    for (const [signal, listener] of listeners) signal.removeEventListener("abort", listener);
+    listeners.length = 0;
+  };
+  for (const signal of present) {
+    if (signal.aborted) {
+      controller.abort(signal.reason);
+      dispose();
+      break;
+    }
+    const listener = (): void => {
+      controller.abort(signal.reason);
+      dispose();
+    };
+    signal.addEventListener("abort", listener, { once: true });
+    listeners.push([signal, listener]);
+  }
+  return { signal: controller.signal, dispose };
+}
+
+/** Resolves after `ms`, or rejects with the signal's reason when it aborts first. */
+function sleep(ms: number, signal?: AbortSignal): Promise<void> {
+  return new Promise((resolve, reject) => {
+    if (signal?.aborted) {
+      reject(signal.reason);
+      return;
+    }
+    const onAbort = (): void => {
+      clearTimeout(timer);
+      reject(signal?.reason);
+    };
+    const timer = setTimeout(() => {
+      signal?.removeEventListener("abort", onAbort);
+      resolve();
+    }, Math.max(0, ms));
+    signal?.addEventListener("abort", onAbort, { once: true });
+  });
+}
+
+/** Whether a connection was refused: nothing listens at the address (not a slow answer). */
+function refused(error: unknown): boolean {
+  const seen = new Set<unknown>();
+  const pending = [error];
+  while (pending.length > 0) {
+    const next = pending.pop();
+    if (next === null || typeof next !== "object" || seen.has(next)) continue;
+    seen.add(next);
+    const found = next as { code?: unknown; cause?: unknown; errors?: unknown };
+    if (found.code === "ECONNREFUSED") return true;
+    pending.push(found.cause);
+    if (Array.isArray(found.errors)) pending.push(...found.errors);
+  }
+  return false;
+}
+
+/** A network failure worth retrying: one with a system error code (ECONNREFUSED, ECONNRESET,
+ * EPIPE, …) or no answer in time. Anything else is not. */
+function transient(error: unknown): boolean {
+  const seen = new Set<unknown>();
+  let next = error;
+  while (next !== null && typeof next === "object" && !seen.has(next)) {
+    seen.add(next);
+    const found = next as { code?: unknown; name?: unknown; cause?: unknown; errors?: unknown };
+    if (typeof found.code === "string" || found.name === "TimeoutError") return true;
+    if (Array.isArray(found.errors) && found.errors.some(transient)) return true;
+    next = found.cause;
+  }
+  return false;
+}
+
+function timeoutError(message: string): Error {
+  const error = new Error(message);
+  error.name = "TimeoutError";
+  return error;
+}
+
+function retryAfterMs(headers: AnswerHeaders | undefined, fallbackMs: number): number {
+  const given = headers?.get("retry-after");
+  if (given === null || given === undefined || given.trim() === "") return fallbackMs;
+  const seconds = Number(given);
+  return Number.isFinite(seconds) && seconds >= 0 ? seconds * 1000 : fallbackMs;
+}
+
+function backoffMs(attempt: number, answer: Answer | null): number {
+  const pause = Math.min(MAX_BACKOFF_MS, 50 * 2 ** attempt);
+  return answer === null ? pause : retryAfterMs(answer.headers, pause);
+}
+
+function problemOf(body: unknown, text: string): Problem {
+  if (body !== null && typeof body === "object" && !Array.isArray(body)) return body as Problem;
+  return { detail: text.slice(0, 200) };
+}
+
+/** Problems as errors; `holding`: the request acts on a lock we hold (renew, update, release). */
+function raiseFor(answer: Answer, holding: boolean): void {
+  if (answer.status < 400) return;
+  const problem = answer.body as Problem;
+  const requestId = answer.headers.get("x-request-id");
+  if (answer.status === 409 && problem.type === `${PROBLEM}max-holders-mismatch`) {
+    throw new MaxHoldersMismatchError(problem, requestId);
+  }
+  if (answer.status === 409) {
+    throw new LockHeldError(problem, retryAfterMs(answer.headers, 1000) / 1000, requestId);
+  }
+  if (answer.status === 410 || (holding && GONE.has(answer.status))) {
+    const detail = problem.detail ?? problem.title ?? "";
+    throw new LockLostError(`${answer.status}: ${detail}`.trim(), { problem });
+  }
+  const retryAfter = answer.headers.has("retry-after") ? retryAfterMs(answer.headers, 0) / 1000 : null;
+  throw new ApiError(answer.status, problem, { requestId, retryAfter });
+}
+
+/** An acquired lock: what the service granted, and the token that proves ownership. */
+export class Grant implements LockRef {
+  readonly id: number;
+  readonly organizationId: string;
+  readonly jobType: string;
+  readonly holder: string;
+  /** Strictly increases with every grant of the key: hand it to the storage the work writes to. */
+  readonly fencingToken: number;
+  /** The lease asked for, in seconds. */
+  readonly ttl: number;
+  /** Of a semaphore: how many may hold the key at once, and which place (from 0) this one holds. */
+  readonly maxHolders: number;
+  readonly slot: number;
+  /** The stale lock this acquire took over, or null. */
+  readonly reclaimed: Reclaimed | null;
+  /** The lock object the service answered (without the token). */
+  readonly lock: Lock;
+  /** performance.now() from which the lease is counted: when the acquire was sent, or later. */
+  readonly sentAt: number;
+  readonly #token: string;
+
+  constructor(answer: Acquired, ttl: number, sentAt: number) {
+    const { token, reclaimed, ...lock } = answer;
+    this.#token = token;
+    this.id = answer.id;
+    this.organizationId = answer.organization_id;
+    this.jobType = answer.job_type;
+    this.holder = answer.holder;
+    this.fencingToken = answer.fencing_token;
+    this.ttl = ttl;
+    this.maxHolders = answer.max_holders ?? 1; // absent from a service older than semaphores
+    this.slot = answer.slot ?? 0;
+    this.reclaimed = reclaimed ?? null;
+    this.lock = lock;
+    // A grant that waited was made long after the request was sent: count the lease from the
+    // database's own ttl_remaining_ms at its answer (the safety margin covers the way back).
+    const left = answer.ttl_remaining_ms;
+    this.sentAt = typeof left === "number" ? Math.max(sentAt, now() - ttl * 1000 + left) : sentAt;
+  }
+
+  /** The secret that proves ownership (Lock-Token). Not an own property: a logged or
+   * JSON-serialized grant does not show it. */
+  get token(): string {
+    return this.#token;
+  }
+}
+
+/**
+ * A held lock, renewed in the background every ttl/3 while withLock's callback runs.
+ *
+ * `signal` aborts, with a LockLostError as its reason, the moment the lock may be lost: a renewal
+ * refused (410, 403, 404), or the lease's safety margin (a tenth of the ttl, at least 100 ms)
+ * reached on this process's monotonic clock because renewals did not succeed in time. It also
+ * aborts once withLock has released the lock.
+ */
+export class Lease {
+  readonly grant: Grant;
+  readonly #client: LockClient;
+  readonly #controller = new AbortController();
+  readonly #stop = new AbortController();
+  readonly #safetyMs: number;
+  #deadline: number; // performance.now() when the lease could lapse, counted from the request's start
+  #timer: ReturnType<typeof setTimeout> | undefined;
+  #lock: Lock;
+
+  /** Made by LockClient.withLock; use `client.withLock`, not this. */
+  constructor(grant: Grant, client: LockClient) {
+    this.grant = grant;
+    this.#client = client;
+    this.#lock = grant.lock;
+    this.#safetyMs = Math.max(MIN_SAFETY_MS, grant.ttl * 1000 * SAFETY_FRACTION);
+    this.#deadline = grant.sentAt + grant.ttl * 1000;
+    this.#arm();
+  }
+
+  get id(): number {
+    return this.grant.id;
+  }
+
+  get fencingToken(): number {
+    return this.grant.fencingToken;
+  }
+
+  get slot(): number {
+    return this.grant.slot;
+  }
+
+  get maxHolders(): number {
+    return this.grant.maxHolders;
+  }
+
+  /** The latest lock object the service answered: at the grant, or at the latest renewal or update. */
+  get lock(): Lock {
+    return this.#lock;
+  }
+
+  /** Aborts the moment the lock may be lost; pass it to fetch, streams and child processes. */
+  get signal(): AbortSignal {
+    this.#checkClock();
+    return this.#controller.signal;
+  }
+
+  /** Whether the lock may be lost (or was released at the end of withLock). */
+  get lost(): boolean {
+    return this.signal.aborted;
+  }
+
+  /** Why the lock is lost, or null while it is held. */
+  get lostReason(): LockLostError | null {
+    const signal = this.signal;
+    return signal.aborted ? (signal.reason as LockLostError) : null;
+  }
+
+  /** Seconds until the lease could lapse by this process's clock, less the safety margin. */
+  get remaining(): number {
+    return (this.#deadline - this.#safetyMs - now()) / 1000;
+  }
+
+  /** Throws the LockLostError unless the lock is surely still held. */
+  check(): void {
+    const reason = this.lostReason;
+    if (reason !== null) throw reason;
+  }
+
+  /**
+   * Replace the lock's metadata (progress, a leader's address) and return the lock. LockLostError,
+   * without a request, if the lease is lost already, or when the service says it is (which loses
+   * the lease).
+   */
+  async update(metadata: Metadata): Promise<Lock> {
+    this.check();
+    try {
+      const lock = await this.#client.update(this.grant, metadata, {
+        within: Math.max(this.remaining, 0.1),
+        signal: this.#controller.signal,
+      });
+      if (!this.lost) this.#lock = lock;
+      return lock;
+    } catch (error) {
+      if (error instanceof LockLostError) this._lose(error);
+      throw error;
+    }
+  }
+
+  /** @internal Renew every ttl/3 until stopped or lost. Never rejects. */
+  async _keepAlive(): Promise<void> {
+    const period = (this.grant.ttl * 1000) / 3;
+    const stop = this.#stop.signal;
+    for (;;) {
+      try {
+        await sleep(period, stop);
+      } catch {
+        return;
+      }
+      if (this.lost) return;
+      const started = now();
+      const during = anySignal([stop, this.#controller.signal]);
+      try {
+        const renewed = await this.#client.renew(this.grant, {
+          within: Math.max(this.remaining, 0.1),
+          signal: during.signal,
+        });
+        this.#renewed(started, renewed);
+      } catch (error) {
+        if (stop.aborted || this.lost) return; // stopped, or lost meanwhile by the clock
+        if (error instanceof LockLostError) {
+          this._lose(error);
+          return;
+        }
+        // Anything else (the service out of reach until the lease nearly ran out, a key revoked):
+        // try again next period; the clock says when the lease may be gone.
+      } finally {
+        during.dispose();
+      }
+    }
+  }
+
+  /** @internal Stop renewing (an in-flight renewal is abandoned). */
+  _stop(): void {
+    this.#stop.abort();
+  }
+
+  /** @internal The lock is lost, or no longer held: abort the signal with this reason. */
+  _lose(reason: LockLostError): void {
+    if (this.#controller.signal.aborted) return;
+    clearTimeout(this.#timer);
+    this.#timer = undefined;
+    this.#controller.abort(reason);
+  }
+
+  #renewed(started: number, lock: Lock): void {
+    if (this.lost) return; // a lease counted lost stays lost
+    this.#lock = lock;
+    this.#deadline = Math.max(this.#deadline, started + this.grant.ttl * 1000);
+    this.#arm();
+  }
+
+  #checkClock(): void {
+    if (!this.#controller.signal.aborted && now() >= this.#deadline - this.#safetyMs) {
+      this._lose(new LockLostError("the lease may have lapsed: renewals did not succeed in time"));
+    }
+  }
+
+  /** A timer for the moment the safety margin is reached, so that the signal aborts by itself. */
+  #arm(): void {
+    clearTimeout(this.#timer);
+    this.#timer = undefined;
+    this.#checkClock();
+    if (this.#controller.signal.aborted) return;
+    const wait = this.#deadline - this.#safetyMs - now();
+    this.#timer = setTimeout(() => this.#arm(), Math.max(1, Math.ceil(wait)));
+  }
+}
+
+/** The pages of a listing, or its locks one by one: `for await (const lock of client.list(…))`. */
+export class LockList implements AsyncIterable<Lock> {
+  readonly #client: LockClient;
+  readonly #options: ListOptions;
+
+  constructor(client: LockClient, options: ListOptions) {
+    this.#client = client;
+    this.#options = options;
+  }
+
+  /** Each page as the service answers it, following `next_cursor` until it is null. */
+  async *pages(): AsyncGenerator<Page, void, undefined> {
+    let cursor = this.#options.cursor;
+    for (;;) {
+      const { organizationId, jobType, state, limit, signal } = this.#options;
+      const page = (await this.#client._get("/v1/locks", {
+        query: { organization_id: organizationId, job_type: jobType, state, limit, cursor },
+        signal,
+      })) as Page;
+      yield page;
+      if (page.next_cursor === null || page.next_cursor === undefined) return;
+      cursor = page.next_cursor;
+    }
+  }
+
+  async *[Symbol.asyncIterator](): AsyncGenerator<Lock, void, undefined> {
+    for await (const page of this.pages()) yield* page.items;
+  }
+}
+
+/**
+ * A client of a Helix Locks service. URL and key default to HELIX_LOCKS_URL and
+ * HELIX_LOCKS_API_KEY. Times (ttl, wait) are in seconds, as in the HTTP API.
+ */
+export class LockClient {
+  readonly url: string;
+  /** Seconds one request may take (a waiting acquire: plus its wait). */
+  readonly timeout: number;
+  readonly #headers: Record<string, string>;
+  readonly #transport: typeof http | typeof https;
+  // Connections kept open between requests; an idle one does not keep the process alive.
+  readonly #agent: http.Agent;
+
+  constructor(options: LockClientOptions = {}) {
+    const url = options.url ?? process.env.HELIX_LOCKS_URL ?? DEFAULT_URL;
+    this.url = (url || DEFAULT_URL).replace(/\/+$/, "");
+    const parsed = new URL(this.url); // a TypeError, at once, for an address that is not one
+    if (parsed.protocol !== "http:" && parsed.protocol !== "https:") {
+      throw new TypeError(`${this.url}: the service's address is http:// or https://`);
+    }
+    this.#transport = parsed.protocol === "https:" ? https : http;
+    this.#agent = new this.#transport.Agent({ keepAlive: true });
+    this.timeout = options.timeout ?? 10;
+    const apiKey = options.apiKey ?? process.env.HELIX_LOCKS_API_KEY;
+    this.#headers = apiKey ? { authorization: `Bearer ${apiKey}` } : {};
+  }
+
+  /**
+   * Hold the lock while `fn` runs: acquire (waiting up to `wait` seconds), renew every ttl/3,
+   * and release when `fn` settles, unless the lock was lost. Resolves with what `fn` resolves
+   * with. Rejects with LockLostError when the lock was lost meanwhile (its `cause` is `fn`'s own
+   * error, if `fn` failed otherwise), with `fn`'s error otherwise, and with the acquire's error
+   * (LockHeldError, MaxHoldersMismatchError, UnavailableError, ApiError) without calling `fn`.
+   * A release that fails otherwise than by the lock being lost leaves the lease to lapse.
+   */
+  async withLock<T>(options: AcquireOptions, fn: (lease: Lease) => T | Promise<T>): Promise<T> {
+    if (typeof fn !== "function") throw new TypeError("withLock needs a function to run while holding the lock");
+    const grant = await this.acquire(options);
+    const lease = new Lease(grant, this);
+    const renewing = lease._keepAlive();
+    let result: T | undefined;
+    let failed = false;
+    let failure: unknown;
+    try {
+      result = await fn(lease);
+    } catch (error) {
+      failed = true;
+      failure = error;
+    }
+    lease._stop();
+    await renewing; // before releasing, so that no renewal crosses the release
+    const lost = (): LockLostError | null => {
+      const reason = lease.lostReason;
+      if (reason === null) return null;
+      if (!failed || failure === reason) return reason;
+      return new LockLostError(reason.message, { problem: reason.problem, cause: failure });
+    };
+    const before = lost();
+    if (before !== null) throw before; // a lost lock is not released: it may be another's now
+    try {
+      await this.release(grant, { within: Math.min(10, Math.max(lease.remaining, 1)) });
+      lease._lose(new LockLostError("released: withLock's callback ended"));
+    } catch (error) {
+      if (!(error instanceof LockLostError)) {
+        lease._lose(new LockLostError("withLock's callback ended; the release failed, the lease lapses", { cause: error }));
+      } else {
+        lease._lose(error);
+        throw lost();
+      }
+    }
+    if (failed) throw failure;
+    return result as T;
+  }
+
+  /**
+   * Acquire, or LockHeldError. With `wait`, the service waits for a held lock for up to that many
+   * seconds (in rounds of at most 60). Every attempt carries one Idempotency-Key, so that a retry
+   * after a lost answer or a 503 (honouring Retry-After, for at most half the lease) gets the same
+   * grant. MaxHoldersMismatchError at once when the key's held locks share another `maxHolders`.
+   */
+  async acquire(options: AcquireOptions): Promise<Grant> {
+    const { organizationId, jobType, holder, metadata, signal } = options;
+    const ttl = options.ttl ?? 30;
+    const wait = options.wait ?? 0;
+    const maxHolders = options.maxHolders ?? 1;
+    const body: Record<string, unknown> = {
+      organization_id: organizationId,
+      job_type: jobType,
+      holder: holder ?? defaultHolder(),
+      ttl_seconds: ttl,
+    };
+    if (metadata !== undefined) body.metadata = metadata;
+    if (maxHolders !== 1) body.max_holders = maxHolders; // an older service gets the same body
+    const waitable = typeof wait === "number" && Number.isFinite(wait) && wait >= 0;
+    if (!waitable) body.wait_seconds = wait; // the service says what is wrong with it
+    const headers = { "idempotency-key": randomUUID() }; // so that a retry never locks us out
+    const giveUp = now() + (waitable ? wait * 1000 : 0);
+    const withinMs = typeof ttl === "number" && Number.isFinite(ttl) ? Math.max(ttl * 500, 1000) : 1000;
+    for (;;) {
+      let waiting = 0;
+      const started = now();
+      try {
+        const answer = await this._send("POST", "/v1/locks", {
+          headers,
+          body: () => {
+            if (!waitable) return body;
+            // Each attempt waits what is left of the wait, at most the service's 60 s.
+            waiting = Math.round(Math.min(Math.max(giveUp - now(), 0), 60_000)) / 1000;
+            return waiting > 0 ? { ...body, wait_seconds: waiting } : body;
+          },
+          extraTimeoutMs: () => waiting * 1000,
+          withinMs,
+          refusedWithinMs: REFUSED_WITHIN_MS,
+          signal,
+        });
+        return new Grant(answer.body as Acquired, ttl, started);
+      } catch (error) {
+        if (!(error instanceof LockHeldError) || now() >= giveUp) throw error;
+      }
+    }
+  }
+
+  /** Renew a held lock for `ttl` seconds (default: the grant's). LockLostError if it is not ours any more. */
+  async renew(
+    lock: LockRef,
+    options: { ttl?: number; within?: number; signal?: AbortSignal } = {},
+  ): Promise<Renewed> {
+    const ttl = options.ttl ?? lock.ttl ?? 30;
+    const answer = await this._send("POST", `/v1/locks/${lock.id}/renew`, {
+      headers: { "lock-token": lock.token },
+      body: () => ({ ttl_seconds: ttl }),
+      withinMs: (options.within ?? 10) * 1000,
+      holding: true,
+      signal: options.signal,
+    });
+    return answer.body as Renewed;
+  }
+
+  /** Replace a held lock's metadata; LockLostError if it is not ours any more. */
+  async update(
+    lock: LockRef,
+    metadata: Metadata,
+    options: { within?: number; signal?: AbortSignal } = {},
+  ): Promise<Lock> {
+    const answer = await this._send("PATCH", `/v1/locks/${lock.id}`, {
+      headers: { "lock-token": lock.token },
+      body: () => ({ metadata: metadata ?? null }),
+      withinMs: (options.within ?? 10) * 1000,
+      holding: true,
+      signal: options.signal,
+    });
+    return answer.body as Lock;
+  }
+
+  /**
+   * Release; LockLostError if the lock had already ended otherwise (it was not ours any more).
+   * A retry after an answer that never came (or a 503) may find the lock released by the first
+   * attempt: that is this release's own success, not a loss.
+   */
+  async release(lock: LockRef, options: { within?: number; signal?: AbortSignal } = {}): Promise<void> {
+    try {
+      await this._send("DELETE", `/v1/locks/${lock.id}`, {
+        headers: { "lock-token": lock.token },
+        withinMs: (options.within ?? 10) * 1000,
+        holding: true,
+        signal: options.signal,
+      });
+    } catch (error) {
+      if (!(error instanceof LockLostError && error.releasedByItsToken)) throw error;
+    }
+  }
+
+  /** One lock, in any state. ApiError 404 for none (or another organization's). */
+  async get(id: number, options: { signal?: AbortSignal } = {}): Promise<Lock> {
+    return (await this._get(`/v1/locks/${id}`, { signal: options.signal })) as Lock;
+  }
+
+  /** The locks, page by page or one by one: `for await (const lock of client.list({ state: "held" }))`. */
+  list(options: ListOptions = {}): LockList {
+    return new LockList(this, options);
+  }
+
+  /** The lock held now for the key, or null: of a semaphore, the one with the highest fencing
+   * token, or with `slot`, the one in that slot. */
+  async current(options: LockKey & { slot?: number; signal?: AbortSignal }): Promise<Lock | null> {
+    try {
+      return (await this._get("/v1/locks/current", {
+        query: { organization_id: options.organizationId, job_type: options.jobType, slot: options.slot },
+        signal: options.signal,
+      })) as Lock;
+    } catch (error) {
+      if (error instanceof ApiError && error.status === 404 && error.kind === "lock-not-found") return null;
+      throw error;
+    }
+  }
+
+  /**
+   * The events of GET /v1/events as they come, each its data with its `id` added, opened again
+   * after every cut or end with Last-Event-ID, so that no event is missed or repeated. Ends when
+   * `signal` aborts (or the loop is left). UnavailableError once no stream could be opened for
+   * `within` seconds (a refused first connection at once); ApiError on any other refusal (401,
+   * 403, 410 `events-expired`, 422).
+   */
+  async *watch(options: WatchOptions = {}): AsyncGenerator<LockEvent, void, undefined> {
+    const { signal } = options;
+    const within = options.within === undefined ? 60 : options.within;
+    const limitMs = within === null ? Number.POSITIVE_INFINITY : within * 1000;
+    const query = new URLSearchParams();
+    if (options.organizationId !== undefined) query.set("organization_id", options.organizationId);
+    if (options.jobType !== undefined) query.set("job_type", options.jobType);
+    const target = `${this.url}/v1/events${query.size > 0 ? `?${query}` : ""}`;
+    let resume = options.lastEventId ?? null;
+    let retryMs = 0;
+    let attempt = 0;
+    let heard = false;
+    let since = now();
+    for (;;) {
+      if (signal?.aborted) return;
+      const silence = new AbortController();
+      const opened = anySignal([signal, silence.signal]);
+      let timer: ReturnType<typeof setTimeout> | undefined;
+      const watchSilence = (): void => {
+        clearTimeout(timer);
+        timer = setTimeout(() => silence.abort(timeoutError("the stream went silent")), WATCH_SILENCE_MS);
+      };
+      let refusal: Answer | null = null;
+      let error: unknown = null;
+      try {
+        const headers: Record<string, string> = {
+          ...this.#headers,
+          accept: "text/event-stream",
+          "cache-control": "no-cache",
+        };
+        if (resume !== null) headers["last-event-id"] = resume;
+        watchSilence();
+        const response = await this.#open("GET", target, headers, undefined, opened.signal);
+        if (response.statusCode !== 200) {
+          refusal = await this.#read(response);
+          if (!WATCH_RETRIED.has(refusal.status)) raiseFor(refusal, false);
+        } else {
+          const kind = response.headers["content-type"] ?? "";
+          if (!kind.startsWith("text/event-stream")) {
+            response.destroy();
+            throw new ApiError(200, { detail: `${target} answered ${kind || "no"} type, not text/event-stream` });
+          }
+          const decoder = new EventStreamDecoder(resume);
+          const chunks: AsyncIterator<Buffer> = response[Symbol.asyncIterator]();
+          try {
+            for (;;) {
+              watchSilence();
+              const { value, done } = await chunks.next();
+              clearTimeout(timer);
+              if (done) break;
+              // Anything heard, a keep-alive included, says the service is there again.
+              attempt = 0;
+              heard = true;
+              since = now();
+              for (const sent of decoder.feed(value)) yield toEvent(sent);
+            }
+          } finally {
+            resume = decoder.lastEventId;
+            if (decoder.retry !== null) retryMs = decoder.retry;
+            response.destroy(); // closes the connection, if the stream did not end by itself
+          }
+        }
+      } catch (caught) {
+        if (signal?.aborted) return;
+        if (caught instanceof HelixLocksError) throw caught;
+        error = caught; // a cut, a refused connection, or silence
+      } finally {
+        clearTimeout(timer);
+        opened.dispose();
+      }
+      if (error !== null && !transient(error)) {
+        const why = error instanceof Error ? `${error.message}${causeOf(error)}` : String(error);
+        throw new UnavailableError(`GET ${target} failed: ${why}`, { cause: error });
+      }
+      const pause = Math.max(backoffMs(attempt, refusal), retryMs);
+      const gaveUpAt = since + (heard || !refused(error) ? limitMs : REFUSED_WITHIN_MS);
+      if (now() + pause > gaveUpAt) throw this.#gaveUp((now() - since) / 1000, error, refusal);
+      try {
+        await sleep(pause, signal);
+      } catch {
+        return;
+      }
+      attempt += 1;
+    }
+  }
+
+  /** @internal GET a JSON answer. */
+  async _get(path: string, options: { query?: SendOptions["query"]; signal?: AbortSignal | undefined }): Promise<unknown> {
+    const answer = await this._send("GET", path, { query: options.query, withinMs: 10_000, signal: options.signal });
+    return answer.body;
+  }
+
+  /**
+   * @internal One request, retried on network trouble and 502/503/504 (after Retry-After when
+   * given) for at most `withinMs` from the first failure, a refused connection for at most
+   * `refusedWithinMs` from the start. Every request this client sends may be repeated: an acquire
+   * carries its Idempotency-Key, and the rest act on one lock or read.
+   */
+  async _send(method: string, path: string, options: SendOptions): Promise<Answer> {
+    const started = now();
+    const refusedUntil = started + (options.refusedWithinMs ?? options.withinMs);
+    let until: number | null = null;
+    let attempt = 0;
+    let url = `${this.url}${path}`;
+    if (options.query !== undefined) {
+      const query = new URLSearchParams();
+      for (const [name, value] of Object.entries(options.query)) {
+        if (value !== undefined) query.set(name, String(value));
+      }
+      if (query.size > 0) url += `?${query}`;
+    }
+    for (;;) {
+      let answer: Answer | null = null;
+      let error: unknown = null;
+      try {
+        answer = await this.#attempt(method, url, options);
+      } catch (caught) {
+        if (options.signal?.aborted) throw options.signal.reason;
+        error = caught;
+      }
+      if (answer !== null && !RETRIED.has(answer.status)) {
+        raiseFor(answer, options.holding ?? false);
+        return answer;
+      }
+      if (answer === null && !transient(error)) {
+        const why = error instanceof Error ? `${error.message}${causeOf(error)}` : String(error);
+        throw new UnavailableError(`${method} ${url} failed: ${why}`, { cause: error });
+      }
+      until ??= now() + options.withinMs;
+      const pause = backoffMs(attempt, answer);
+      const limit = refused(error) ? Math.min(until, refusedUntil) : until;
+      if (now() + pause > limit) throw this.#gaveUp((now() - started) / 1000, error, answer);
+      await sleep(pause, options.signal);
+      attempt += 1;
+    }
+  }
+
+  async #attempt(method: string, url: string, options: SendOptions): Promise<Answer> {
+    const body = options.body?.();
+    const headers: Record<string, string> = { ...this.#headers, accept: "application/json", ...options.headers };
+    if (body !== undefined) headers["content-type"] = "application/json";
+    const timeoutMs = this.timeout * 1000 + (options.extraTimeoutMs?.() ?? 0);
+    const timeout = new AbortController();
+    const timer = setTimeout(
+      () => timeout.abort(timeoutError(`no answer within ${(timeoutMs / 1000).toFixed(1)} s`)),
+      timeoutMs,
+    );
+    const signal = anySignal([options.signal, timeout.signal]);
+    try {
+      const sent = body === undefined ? undefined : JSON.stringify(body);
+      return await this.#read(await this.#open(method, url, headers, sent, signal.signal));
+    } catch (error) {
+      if (timeout.signal.aborted && !options.signal?.aborted) throw timeout.signal.reason;
+      throw error;
+    } finally {
+      clearTimeout(timer);
+      signal.dispose();
+    }
+  }
+
+  /** Send a request; resolves with the answer once its head has come (its body still to read). */
+  #open(
+    method: string,
+    url: string,
+    headers: Record<string, string>,
+    body: string | undefined,
+    signal: AbortSignal,
+  ): Promise<IncomingMessage> {
+    return new Promise((resolve, reject) => {
+      if (body !== undefined) headers["content-length"] = String(Buffer.byteLength(body));
+      const request = this.#transport.request(url, { method, headers, agent: this.#agent, signal }, resolve);
+      request.on("error", reject);
+      request.end(body);
+    });
+  }
+
+  /** Read an answer's body: JSON when it says so, a problem object for an error status. */
+  async #read(response: IncomingMessage): Promise<Answer> {
+    const parts: Buffer[] = [];
+    for await (const part of response) parts.push(part as Buffer);
+    const text = Buffer.concat(parts).toString("utf8");
+    const status = response.statusCode ?? 0;
+    let body: unknown = null;
+    if (text !== "" && (response.headers["content-type"] ?? "").includes("json")) {
+      try {
+        body = JSON.parse(text);
+      } catch {
+        body = null;
+      }
+    }
+    if (status >= 400) body = problemOf(body, text);
+    return { status, headers: new AnswerHeaders(response.headers), body };
+  }
+
+  #gaveUp(seconds: number, error: unknown, answer: Answer | null): UnavailableError {
+    if (refused(error)) {
+      return new UnavailableError(`${this.url} refused the connection: is the service running there?`, { cause: error });
+    }
+    if (answer !== null) {
+      const problem = answer.body as Problem;
+      const said = problem.detail ?? problem.title ?? "";
+      return new UnavailableError(`${this.url} answered ${answer.status} for ${seconds.toFixed(1)} s: ${said}`, {
+        status: answer.status,
+        problem,
+      });
+    }
+    const why = error instanceof Error ? `: ${error.message}${causeOf(error)}` : "";
+    return new UnavailableError(`no answer from ${this.url} within ${seconds.toFixed(1)} s${why}`, { cause: error });
+  }
+}
+
+function causeOf(error: Error): string {
+  return error.cause instanceof Error ? `: ${error.cause.message}` : "";
+}
+
+/** An event's data as the client hands it over: the JSON object, with its id added. */
+function toEvent(sent: ServerEvent): LockEvent {
+  let event: unknown;
+  try {
+    event = JSON.parse(sent.data);
+  } catch {
+    event = null;
+  }
+  if (event === null || typeof event !== "object" || Array.isArray(event)) {
+    throw new ApiError(200, { detail: `an event whose data is not a JSON object: ${sent.data.slice(0, 200)}` });
+  }
+  const data = event as Record<string, unknown>;
+  data.type ??= sent.event;
+  data.id = sent.id;
+  return data as unknown as LockEvent;
+}

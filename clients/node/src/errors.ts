@@ -1,0 +1,136 @@
+// The client's errors. Every error it throws is a HelixLocksError; match on the class, never on
+// the message.
+
+import type { Holder, Problem } from "./types.js";
+
+/** The base of every error this client throws. */
+export class HelixLocksError extends Error {
+  override name = "HelixLocksError";
+}
+
+/**
+ * The service answered with a problem (RFC 9457) that no more specific error stands for: a bad
+ * request (422, with `problem.errors` naming each field), a missing or revoked key (401), another
+ * organization (403), a quota (429), and so on.
+ */
+export class ApiError extends HelixLocksError {
+  override name = "ApiError";
+  /** The HTTP status. */
+  readonly status: number;
+  /** The problem object as the service sent it: `type`, `title`, `status`, `detail` and its own fields. */
+  readonly problem: Problem;
+  /** The problem's kind: `invalid-request`, `unauthenticated`, `lock-held`, … (`type` without its URN prefix). */
+  readonly kind: string;
+  /** The answer's `X-Request-Id`, which the service's log line carries too. */
+  readonly requestId: string | null;
+  /** The answer's `Retry-After`, in seconds, when it had one. */
+  readonly retryAfter: number | null;
+
+  constructor(
+    status: number,
+    problem: Problem,
+    options: { requestId?: string | null; retryAfter?: number | null; cause?: unknown } = {},
+  ) {
+    const said = problem.detail ?? problem.title ?? "error";
+    super(`${status}: ${said}`, options.cause === undefined ? undefined : { cause: options.cause });
+    this.status = status;
+    this.problem = problem;
+    this.kind = typeof problem.type === "string" ? problem.type.replace(/^urn:helix-locks:problem:/, "") : "";
+    this.requestId = options.requestId ?? null;
+    this.retryAfter = options.retryAfter ?? null;
+  }
+
+  /** The invalid fields of a 422: `[{ field, message }…]`; empty for any other problem. */
+  get errors(): Array<{ field: string; message: string }> {
+    return Array.isArray(this.problem.errors) ? this.problem.errors : [];
+  }
+}
+
+/**
+ * Another holder has the lock (409 `lock-held`); of a semaphore, live locks hold every slot.
+ * `lockId`, `holder` and `expiresAt` name the held lock whose lease runs out first; `holders`
+ * lists every held lock; `retryAfter` is the seconds until that first lease ends (at least 1).
+ */
+export class LockHeldError extends ApiError {
+  override name = "LockHeldError";
+  readonly lockId: number | null;
+  readonly holder: string | null;
+  readonly expiresAt: string | null;
+  readonly maxHolders: number;
+  readonly holders: Holder[];
+  declare readonly retryAfter: number;
+
+  constructor(problem: Problem, retryAfter: number, requestId: string | null = null) {
+    super(409, problem, { requestId, retryAfter });
+    this.message = `held by ${String(problem.holder)} until ${String(problem.expires_at)}`;
+    this.lockId = typeof problem.lock_id === "number" ? problem.lock_id : null;
+    this.holder = typeof problem.holder === "string" ? problem.holder : null;
+    this.expiresAt = typeof problem.expires_at === "string" ? problem.expires_at : null;
+    this.maxHolders = typeof problem.max_holders === "number" ? problem.max_holders : 1;
+    if (Array.isArray(problem.holders)) {
+      this.holders = problem.holders;
+    } else if (this.lockId !== null) {
+      // A service older than semaphores names its one holder only.
+      this.holders = [{ lock_id: this.lockId, holder: this.holder ?? "", slot: 0, expires_at: this.expiresAt ?? "" }];
+    } else {
+      this.holders = [];
+    }
+  }
+}
+
+/**
+ * The key's held locks share another `max_holders` than the acquire named (409
+ * `max-holders-mismatch`): a configuration error, which waiting does not cure. `maxHolders` is
+ * the value in force.
+ */
+export class MaxHoldersMismatchError extends ApiError {
+  override name = "MaxHoldersMismatchError";
+  readonly maxHolders: number | null;
+
+  constructor(problem: Problem, requestId: string | null = null) {
+    super(409, problem, { requestId });
+    this.maxHolders = typeof problem.max_holders === "number" ? problem.max_holders : null;
+  }
+}
+
+/**
+ * The lock is not held any more: it ended (released, reclaimed, forced), its token does not match,
+ * it is gone, or it may have lapsed by this process's own clock because renewals did not succeed
+ * in time. `problem` is the service's answer when it said so (410, 403, 404), else null.
+ */
+export class LockLostError extends HelixLocksError {
+  override name = "LockLostError";
+  readonly problem: Problem | null;
+  readonly status: number | null;
+
+  constructor(message: string, options: { problem?: Problem | null; cause?: unknown } = {}) {
+    super(message, options.cause === undefined ? undefined : { cause: options.cause });
+    this.problem = options.problem ?? null;
+    this.status = typeof this.problem?.status === "number" ? this.problem.status : null;
+  }
+
+  /**
+   * A 410 answers only a request whose Lock-Token matched (a wrong one is 403 whatever the
+   * state), so `release_reason` "released" means the lock was released with this token: by this
+   * holder, through an earlier attempt whose answer was lost.
+   */
+  get releasedByItsToken(): boolean {
+    return this.status === 410 && this.problem?.release_reason === "released";
+  }
+}
+
+/**
+ * The service could not be reached, or kept answering 503, until the retries ran out. `status`
+ * is the last answer's status (0 when none came), `problem` its problem, if any.
+ */
+export class UnavailableError extends HelixLocksError {
+  override name = "UnavailableError";
+  readonly status: number;
+  readonly problem: Problem | null;
+
+  constructor(message: string, options: { status?: number; problem?: Problem | null; cause?: unknown } = {}) {
+    super(message, options.cause === undefined ? undefined : { cause: options.cause });
+    this.status = options.status ?? 0;
+    this.problem = options.problem ?? null;
+  }
+}

@@ -1,0 +1,135 @@
+// What the service sends, as it sends it (snake_case, as in docs/api.md), and the options of the
+// client's calls (camelCase).
+
+/** A JSON value, as lock metadata holds. */
+export type Json = string | number | boolean | null | Json[] | { [key: string]: Json };
+
+/** A lock's metadata: a JSON object (at most 8 KiB serialized), or null. */
+export type Metadata = { [key: string]: Json } | null;
+
+/** `held`: live; `expired`: its lease ran out, not yet reclaimed; `released` (by its holder or by
+ * force); `reclaimed`: taken over by a later grant. */
+export type LockState = "held" | "expired" | "released" | "reclaimed";
+
+/** The lock object every endpoint that returns a lock returns (never with its token). */
+export interface Lock {
+  id: number;
+  organization_id: string;
+  job_type: string;
+  holder: string;
+  /** Strictly increases with every grant of the key (across all the slots of a semaphore). */
+  fencing_token: number;
+  acquired_at: string;
+  expires_at: string;
+  released_at: string | null;
+  release_reason: "released" | "reclaimed" | "forced" | null;
+  state: LockState;
+  /** Milliseconds of lease left when the database answered. */
+  ttl_remaining_ms: number;
+  metadata: Metadata;
+  /** How many locks may hold the key at once: 1 for a plain lock. */
+  max_holders: number;
+  /** Which of those places this lock holds, from 0 to max_holders - 1. */
+  slot: number;
+}
+
+/** The stale lock an acquire took over. */
+export interface Reclaimed {
+  lock_id: number;
+  holder: string;
+  expired_at: string;
+}
+
+/** An acquire's answer: the lock object, its token, and the lock it reclaimed. */
+export interface Acquired extends Lock {
+  token: string;
+  reclaimed: Reclaimed | null;
+}
+
+/** A renewal's answer: the lock object, and whether the lease had run out before it. */
+export interface Renewed extends Lock {
+  lapsed: boolean;
+}
+
+/** One held lock of a key, as a 409 `lock-held` lists them. */
+export interface Holder {
+  lock_id: number;
+  holder: string;
+  slot: number;
+  expires_at: string;
+}
+
+/** An RFC 9457 problem as the service sends it: these fields, plus those of its kind. */
+export interface Problem {
+  type?: string;
+  title?: string;
+  status?: number;
+  detail?: string;
+  errors?: Array<{ field: string; message: string }>;
+  [field: string]: any;
+}
+
+/** One event of `GET /v1/events`: its data, with the stream's `id` added. */
+export interface LockEvent {
+  /** The event's id: what a watch resumes from. */
+  id: string;
+  type: "acquired" | "renewed" | "updated" | "released" | "forced" | "expired" | "reclaimed";
+  /** When it happened, by the database's clock. */
+  at: string;
+  /** The lock as it is when the event is read. */
+  lock: Lock;
+  /** Of an `acquired` event: the stale lock the grant took over, or null. */
+  reclaimed?: Reclaimed | null;
+}
+
+/** One page of a listing. */
+export interface Page {
+  items: Lock[];
+  /** The cursor of the next page; null when nothing follows. */
+  next_cursor: string | null;
+}
+
+/** The lock's key: one live lock per key at a time, or up to `maxHolders`. */
+export interface LockKey {
+  organizationId: string;
+  jobType: string;
+}
+
+export interface AcquireOptions extends LockKey {
+  /** The lease in seconds (1 to 86400); renewed every ttl/3 by withLock. Default 30. */
+  ttl?: number;
+  /** Seconds to wait for a held lock (any number; in rounds of at most 60). Default 0: LockHeldError at once. */
+  wait?: number;
+  /** A semaphore: up to this many hold the key at once, each in a slot of its own (1 to 1000). Default 1. */
+  maxHolders?: number;
+  /** Who holds it, for humans. Default user@host:pid. */
+  holder?: string;
+  /** The lock's metadata at grant. */
+  metadata?: Metadata;
+  /** Stops the acquire (its wait and its retries): it rejects with the signal's reason. */
+  signal?: AbortSignal;
+}
+
+export interface ListOptions {
+  organizationId?: string;
+  jobType?: string;
+  /** `held` or `expired` (default: both) list live locks; `released` or `reclaimed` read the history. */
+  state?: LockState;
+  /** Locks per page, 1 to 500; default 100. */
+  limit?: number;
+  /** Start from this cursor (a page's `next_cursor`). */
+  cursor?: string;
+  signal?: AbortSignal;
+}
+
+export interface WatchOptions {
+  /** Only this organization's locks (an organization's key: only its own; omitted, its own, or every one for an admin key). */
+  organizationId?: string;
+  jobType?: string;
+  /** Resume after this event id (an event's `id`). */
+  lastEventId?: string;
+  /** Ends the watch: the iteration simply stops. */
+  signal?: AbortSignal;
+  /** Seconds after which a watch that cannot open a stream gives up (UnavailableError); null: never. Default 60. */
+  within?: number | null;
+}

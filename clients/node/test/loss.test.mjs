@@ -1,0 +1,72 @@
+// A lock taken away by an admin, and a waiter woken by a release.
+import assert from "node:assert/strict";
+import { test } from "node:test";
+import { setTimeout as pause } from "node:timers/promises";
+
+import { LockHeldError, LockLostError } from "../dist/index.js";
+import { FaultyProxy, ORG, admin, client, jobType, rejection, service, within } from "./helpers.mjs";
+
+test("a lock forced by an admin: the signal aborts at the next renewal, withLock rejects with LockLostError", async (t) => {
+  assert.ok(service.adminKey, "HELIX_LOCKS_TEST_ADMIN_KEY: an admin key, to force the release");
+  const proxy = await new FaultyProxy(service.url).start(); // records what the client sends
+  try {
+    const locks = client(proxy.url);
+    const job = jobType("forced");
+    const ttl = 1.5; // renewed every 0.5 s
+    let forcedAt = 0;
+    let abortedAt = 0;
+    let lockId = 0;
+    const outcome = locks.withLock({ organizationId: ORG, jobType: job, ttl }, async (lease) => {
+      lockId = lease.id;
+      lease.signal.addEventListener("abort", () => {
+        abortedAt = performance.now();
+      });
+      forcedAt = performance.now();
+      const forced = await admin("DELETE", `/v1/locks/${lease.id}?force=true`);
+      assert.equal(forced.status, 204);
+      // The work: it waits on the lease's signal, as a fetch or a child process would.
+      await pause(30_000, undefined, { signal: lease.signal });
+      return "finished the work of a lock it had lost";
+    });
+    const error = await rejection(outcome, 10_000);
+    assert.ok(error instanceof LockLostError, `rejected with ${error}`);
+    assert.equal(error.status, 410);
+    assert.equal(error.problem.type, "urn:helix-locks:problem:lock-ended");
+    assert.equal(error.problem.release_reason, "forced");
+    assert.ok(error.problem.forced_by, "the admin key that broke it");
+    assert.equal(error.cause?.name, "AbortError", "the callback's own error, as its cause");
+    const took = abortedAt - forcedAt;
+    t.diagnostic(`forced -> signal aborted in ${took.toFixed(0)} ms (renewal every ${(ttl / 3) * 1000} ms)`);
+    assert.ok(abortedAt > forcedAt && took < (ttl / 3) * 1000 + 700, `aborted ${took} ms after the force`);
+    // The renewal that learned it was answered 410, and the lost lock was not released.
+    const sent = proxy.seen.map((r) => [r.method, r.path.replace(/locks\/\d+/, "locks/ID"), r.told]);
+    assert.deepEqual(sent.at(-1), ["POST", "/v1/locks/ID/renew", 410]);
+    assert.equal(sent.filter(([method]) => method === "DELETE").length, 0, `sent: ${JSON.stringify(sent)}`);
+    const lock = await admin("GET", `/v1/locks/${lockId}`);
+    assert.equal(lock.body.release_reason, "forced");
+  } finally {
+    await proxy.close();
+  }
+});
+
+test("a waiter is granted the lock because of the release, well before its own wait runs out", async (t) => {
+  const locks = client();
+  const job = jobType("waiting");
+  const held = await locks.acquire({ organizationId: ORG, jobType: job, ttl: 60, holder: "first" });
+  let grantedAt = 0;
+  const waiter = locks.withLock({ organizationId: ORG, jobType: job, ttl: 10, wait: 30, holder: "waiter" }, async (lease) => {
+    grantedAt = performance.now();
+    return lease.fencingToken;
+  });
+  const held2 = await rejection(locks.acquire({ organizationId: ORG, jobType: job }));
+  assert.ok(held2 instanceof LockHeldError, "held while the waiter waits");
+  await pause(1000);
+  assert.equal(grantedAt, 0, "waits while the lock is held");
+  const releasedAt = performance.now();
+  await locks.release(held);
+  const token = await within(waiter, 10_000, "the waiter");
+  const latency = grantedAt - releasedAt;
+  t.diagnostic(`wait 30 s, released after 1 s: granted ${latency.toFixed(1)} ms after the release was sent`);
+  assert.equal(token, held.fencingToken + 1);
+  assert.ok(latency < 2000, `granted ${latency} ms after the release: woken by it, not by its 30 s wait`);
+});
