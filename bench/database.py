@@ -7,10 +7,12 @@ import io
 import os
 import secrets
 import subprocess
+import sys
 import tarfile
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import psycopg
@@ -18,6 +20,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from bench import BenchError
+from helix_locks.migrate import migrate
 from tests.support import ROOT
 
 
@@ -132,6 +135,50 @@ def other_database(url: str, name: str, cleanup: ExitStack) -> str:
 
     cleanup.callback(drop)
     return make_conninfo(url, dbname=name)
+
+
+@dataclass(frozen=True)
+class Before:
+    """A's side of an A/B run: the code before a migration, and a database migrated by it."""
+
+    url: str  # A's database, beside B's on one server
+    env: dict[str, str]  # what serves A: PYTHONPATH to the exported tree
+    setup: list[str]  # lines for the report: the server, and what A and B are
+    migrations: int  # how many migrations A's database has
+
+
+def before_and_after(
+    database: tuple[str, str],
+    workdir: Path,
+    rev: str | None,
+    migration: str,
+    seeding: tuple[int, int],
+    cleanup: ExitStack,
+) -> Before:
+    """Two databases on the server of bench_database's (url, where), seeded alike with (history,
+    live): B's (url) migrated by this tree, A's (a second one, dropped on exit) by the code before
+    `migration` (see base_tree)."""
+    url, where = database
+    base, commit = base_tree(workdir, rev, migration)
+    base_db_url = other_database(url, f"{database_name(url)}_before", cleanup)
+    env = {"PYTHONPATH": str(base / "service")}
+    command = [sys.executable, "-m", "helix_locks.cli", "migrate"]
+    migrating = {**os.environ, **env, "DATABASE_URL": base_db_url}
+    subprocess.run(command, env=migrating, check=True, stdout=subprocess.DEVNULL)
+    migrate(url)
+    with psycopg.connect(base_db_url) as conn:
+        applied = [row[0] for row in conn.execute("SELECT name FROM helix_schema_migrations ORDER BY 1")]
+        version = conn.execute("SHOW server_version").fetchone()
+    if any(name.startswith(Path(migration).name[:4]) for name in applied):
+        raise BenchError(f"A's database has {migration}")
+    setup = [
+        f"database: {where}, PostgreSQL {version[0] if version else '?'}",
+        f"A: commit {commit} (up to {applied[-1]}), served from a git archive; B: this tree",
+    ]
+    for target in (base_db_url, url):
+        seeded = seed(target, *seeding)
+    setup.append(f"seeded, each: {seeded}")
+    return Before(base_db_url, env, setup, len(applied))
 
 
 def database_name(url: str) -> str:

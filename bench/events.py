@@ -39,7 +39,6 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,14 +56,13 @@ from typing import Any
 import psycopg
 
 from bench import BenchError, interrupted, log, said_and_stopped
-from bench.database import base_tree, bench_database, database_name, other_database, seed
+from bench.database import before_and_after, bench_database, database_name
 from bench.http_client import RawConnection, run_loop
 from bench.http_load import Sample, helix_cycle, run_http
 from bench.pgbench import run_pgbench
 from bench.results import CPUS, Result, percentile
 from bench.servers import create_key, service_process
 from bench.waiters import Counts, counts, meter_database
-from helix_locks.migrate import migrate
 from tests.support import Watch, rss_mb
 
 MIGRATION = "migrations/0016_lock_events.sql"
@@ -547,25 +545,12 @@ def main(argv: list[str] | None = None) -> int:
     with said_and_stopped(), ExitStack() as cleanup:
         workdir = Path(tempfile.mkdtemp(prefix="helix-bench-events-"))
         cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
-        url, where = cleanup.enter_context(bench_database(workdir))
+        database = cleanup.enter_context(bench_database(workdir))
+        url = database[0]
         meter_url = meter_database(url, workdir / "pgdata", cleanup)
-        base, commit = base_tree(workdir, args.base, MIGRATION)
-        base_db_url = other_database(url, f"{database_name(url)}_before", cleanup)
-        base_env = {"PYTHONPATH": str(base / "service")}
-        command = [sys.executable, "-m", "helix_locks.cli", "migrate"]
-        env = {**os.environ, **base_env, "DATABASE_URL": base_db_url}
-        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
-        migrate(url)
-        with psycopg.connect(base_db_url) as conn:
-            applied = [row[0] for row in conn.execute("SELECT name FROM helix_schema_migrations ORDER BY 1")]
-            version = conn.execute("SHOW server_version").fetchone()
-        if any(name.startswith("0016") for name in applied):
-            raise BenchError("A's database has migration 0016")
-        setup.append(f"database: {where}, PostgreSQL {version[0] if version else '?'}")
-        setup.append(f"A: commit {commit} (up to {applied[-1]}), served from a git archive; B: this tree")
-        for target in (base_db_url, url):
-            seeded = seed(target, args.history, args.live)
-        setup.append(f"seeded, each: {seeded}")
+        before = before_and_after(database, workdir, args.base, MIGRATION, (args.history, args.live), cleanup)
+        base_db_url, base_env = before.url, before.env
+        setup += before.setup
         log(setup[-1])
         a_url, _ = cleanup.enter_context(
             service_process(base_db_url, args.workers, workdir / "a.log", base_env)
@@ -574,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         w_url, w_process = cleanup.enter_context(service_process(url, 1, workdir / "w.log"))
         with psycopg.connect(base_db_url) as conn:
             applied_after = conn.execute("SELECT count(*) FROM helix_schema_migrations").fetchone()
-        if applied_after != (len(applied),):
+        if applied_after != (before.migrations,):
             raise BenchError("serving A migrated its database further: it runs this tree's code")
         key_a = create_key(base_db_url, a_url)
         key_b = create_key(url, b_url)

@@ -25,21 +25,17 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-import psycopg
-
-from bench import BenchError, interrupted, log, said_and_stopped
-from bench.database import base_tree, bench_database, database_name, other_database, seed
+from bench import interrupted, log, said_and_stopped
+from bench.database import before_and_after, bench_database
 from bench.http_load import SEMAPHORE_HOLDERS, run_http
 from bench.pgbench import run_pgbench
 from bench.results import CPUS, Result, percentile
 from bench.servers import create_key, service_process
-from helix_locks.migrate import migrate
 
 MIGRATION = "migrations/0017_semaphores.sql"
 SIDES = ("A", "B", "pgbench A", "pgbench B")
@@ -148,24 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     with said_and_stopped(), ExitStack() as cleanup:
         workdir = Path(tempfile.mkdtemp(prefix="helix-bench-semaphores-"))
         cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
-        url, where = cleanup.enter_context(bench_database(workdir))
-        base, commit = base_tree(workdir, args.base, MIGRATION)
-        base_db_url = other_database(url, f"{database_name(url)}_before", cleanup)
-        base_env = {"PYTHONPATH": str(base / "service")}
-        command = [sys.executable, "-m", "helix_locks.cli", "migrate"]
-        env = {**os.environ, **base_env, "DATABASE_URL": base_db_url}
-        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
-        migrate(url)
-        with psycopg.connect(base_db_url) as conn:
-            applied = [row[0] for row in conn.execute("SELECT name FROM helix_schema_migrations ORDER BY 1")]
-            version = conn.execute("SHOW server_version").fetchone()
-        if any(name.startswith("0017") for name in applied):
-            raise BenchError("A's database has migration 0017")
-        setup.append(f"database: {where}, PostgreSQL {version[0] if version else '?'}")
-        setup.append(f"A: commit {commit} (up to {applied[-1]}), served from a git archive; B: this tree")
-        for target in (base_db_url, url):
-            seeded = seed(target, args.history, args.live)
-        setup.append(f"seeded, each: {seeded}")
+        database = cleanup.enter_context(bench_database(workdir))
+        url = database[0]
+        before = before_and_after(database, workdir, args.base, MIGRATION, (args.history, args.live), cleanup)
+        base_db_url, base_env = before.url, before.env
+        setup += before.setup
         log(setup[-1])
         a_url, _ = cleanup.enter_context(
             service_process(base_db_url, args.workers, workdir / "a.log", base_env)
