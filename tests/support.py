@@ -60,16 +60,19 @@ def wait_ready(
 ) -> None:
     """Return once the service at base_url answers /readyz with 200; NotReady, with the tail of its
     output in `log` when given, if its process exits first or `timeout` s pass."""
-    said = f":\n{tail(log)}" if log else ""
+
+    def said() -> str:  # read when it is raised: what the process wrote by then
+        return f":\n{tail(log)}" if log else ""
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise NotReady(f"the service exited with {process.returncode} before it was ready{said}")
+            raise NotReady(f"the service exited with {process.returncode} before it was ready{said()}")
         with suppress(httpx.TransportError):
             if httpx.get(f"{base_url}/readyz", timeout=2).status_code == 200:
                 return
         time.sleep(0.1)
-    raise NotReady(f"{base_url} was not ready after {timeout:.0f} s{said}")
+    raise NotReady(f"{base_url} was not ready after {timeout:.0f} s{said()}")
 
 
 def tail(path: Path, lines: int = 30) -> str:
