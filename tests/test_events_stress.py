@@ -25,7 +25,8 @@ from tests.load import KEYS, Load
 from tests.support import Event, TcpProxy, Watch, logged_requests, running_service, tail
 from tests.test_events import FAST, replicas
 
-pytestmark = pytest.mark.anyio
+# A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
+pytestmark = [pytest.mark.anyio, pytest.mark.fault]
 
 # The changes every stream, live or replayed, must hold exactly once and in order, per key.
 STATE_CHANGES = ("acquired", "released", "forced", "reclaimed")

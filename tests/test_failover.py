@@ -24,6 +24,9 @@ from tests.load import Load, Run
 from tests.patroni_cluster import Cluster, patroni_cluster
 from tests.support import running_service
 
+# A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
+pytestmark = pytest.mark.fault
+
 MISSING = [tool for tool in ("patroni", "etcd") if shutil.which(tool) is None]
 if MISSING and not os.environ.get("CI"):
     pytest.skip(

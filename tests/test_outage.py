@@ -22,6 +22,9 @@ from helix_locks.migrate import migrate
 from tests.support import children, running_service
 from tests.test_api import lock_body
 
+# A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
+pytestmark = pytest.mark.fault
+
 
 class OwnPostgres:
     """An embedded PostgreSQL of this test's own, to stop and start again at the same address."""

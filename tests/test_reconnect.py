@@ -24,7 +24,8 @@ from helix_locks.waiting import Waiters
 from tests.plans import PLAN_MODES, nodes
 from tests.support import ROUTE, in_process
 
-pytestmark = pytest.mark.anyio
+# A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
+pytestmark = [pytest.mark.anyio, pytest.mark.fault]
 Conn = psycopg.Connection[Any]
 Key = tuple[str, str]
 

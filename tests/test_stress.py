@@ -8,9 +8,14 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from tests.history import Grant, check, database_history
 from tests.load import KEYS, Load, Run
 from tests.support import ROUTE, running_service
+
+# A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
+pytestmark = pytest.mark.fault
 
 SECONDS = 8.0
 REPLICAS = 3
