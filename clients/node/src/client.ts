@@ -36,6 +36,10 @@ const GONE = new Set([403, 404, 410]);
 const SAFETY_FRACTION = 0.1;
 const MIN_SAFETY_MS = 100;
 const MAX_BACKOFF_MS = 2000;
+/** The largest answer read: a full listing page is far smaller. Larger is an ApiError. */
+const MAX_ANSWER_BYTES = 32 * 1024 * 1024;
+/** setTimeout's limit, in seconds: a longer `timeout` would fire at once. */
+const MAX_TIMEOUT_SECONDS = 2_147_483;
 /** How long an acquire retries a refused connection: a restarting service takes longer, but a
  * worker pointed at the wrong address should hear so at once. */
 const REFUSED_WITHIN_MS = 1000;
@@ -185,15 +189,19 @@ function refused(error: unknown): boolean {
   return false;
 }
 
-/** A network failure worth retrying: one with a system error code (ECONNREFUSED, ECONNRESET,
- * EPIPE, …) or no answer in time. Anything else is not. */
+/** A network failure worth retrying: a system error (ECONNREFUSED, ECONNRESET, EPIPE, …), an
+ * answer that is not HTTP (HPE_…), a connection closed early, or no answer in time. Node's own
+ * ERR_… codes otherwise name a mistake in the request (a header with a newline, a bad URL), which
+ * no retry mends. */
 function transient(error: unknown): boolean {
   const seen = new Set<unknown>();
   let next = error;
   while (next !== null && typeof next === "object" && !seen.has(next)) {
     seen.add(next);
     const found = next as { code?: unknown; name?: unknown; cause?: unknown; errors?: unknown };
-    if (typeof found.code === "string" || found.name === "TimeoutError") return true;
+    const code = found.code;
+    if (typeof code === "string" && (!code.startsWith("ERR_") || code === "ERR_STREAM_PREMATURE_CLOSE")) return true;
+    if (found.name === "TimeoutError") return true;
     if (Array.isArray(found.errors) && found.errors.some(transient)) return true;
     next = found.cause;
   }
@@ -225,7 +233,12 @@ function problemOf(body: unknown, text: string): Problem {
 
 /** Problems as errors; `holding`: the request acts on a lock we hold (renew, update, release). */
 function raiseFor(answer: Answer, holding: boolean): void {
-  if (answer.status < 400) return;
+  if (answer.status >= 200 && answer.status < 300) {
+    // Every success but a release's 204 is a JSON object: anything else is not the service.
+    const body = answer.body;
+    if (answer.status === 204 || (body !== null && typeof body === "object" && !Array.isArray(body))) return;
+    throw new ApiError(answer.status, { detail: `a ${answer.status} answer that is not a JSON object` });
+  }
   const problem = answer.body as Problem;
   const requestId = answer.headers.get("x-request-id");
   if (answer.status === 409 && problem.type === `${PROBLEM}max-holders-mismatch`) {
@@ -259,7 +272,7 @@ export class Grant implements LockRef {
   readonly reclaimed: Reclaimed | null;
   /** The lock object the service answered (without the token). */
   readonly lock: Lock;
-  /** performance.now() from which the lease is counted: when the acquire was sent, or later. */
+  /** performance.now() from which the lease is counted: when the acquire was sent. */
   readonly sentAt: number;
   readonly #token: string;
 
@@ -276,10 +289,9 @@ export class Grant implements LockRef {
     this.slot = answer.slot ?? 0;
     this.reclaimed = reclaimed ?? null;
     this.lock = lock;
-    // A grant that waited was made long after the request was sent: count the lease from the
-    // database's own ttl_remaining_ms at its answer (the safety margin covers the way back).
-    const left = answer.ttl_remaining_ms;
-    this.sentAt = typeof left === "number" ? Math.max(sentAt, now() - ttl * 1000 + left) : sentAt;
+    // The grant was made after the request was sent, so a lease counted from the send never ends
+    // after the service's. (Not from the answer's ttl_remaining_ms: the answer may be read late.)
+    this.sentAt = sentAt;
   }
 
   /** The secret that proves ownership (Lock-Token). Not an own property: a logged or
@@ -304,16 +316,18 @@ export class Lease {
   readonly #stop = new AbortController();
   readonly #safetyMs: number;
   #deadline: number; // performance.now() when the lease could lapse, counted from the request's start
+  #renewedAt: number; // performance.now() when the latest successful renewal (or the acquire) was sent
   #timer: ReturnType<typeof setTimeout> | undefined;
   #lock: Lock;
 
   /** Made by LockClient.withLock; use `client.withLock`, not this. */
-  constructor(grant: Grant, client: LockClient) {
+  constructor(grant: Grant, client: LockClient, renewed?: { sentAt: number; lock: Lock }) {
     this.grant = grant;
     this.#client = client;
-    this.#lock = grant.lock;
+    this.#lock = renewed?.lock ?? grant.lock;
     this.#safetyMs = Math.max(MIN_SAFETY_MS, grant.ttl * 1000 * SAFETY_FRACTION);
-    this.#deadline = grant.sentAt + grant.ttl * 1000;
+    this.#renewedAt = renewed?.sentAt ?? grant.sentAt;
+    this.#deadline = this.#renewedAt + grant.ttl * 1000;
     this.#arm();
   }
 
@@ -390,14 +404,17 @@ export class Lease {
   async _keepAlive(): Promise<void> {
     const period = (this.grant.ttl * 1000) / 3;
     const stop = this.#stop.signal;
+    let sent = this.#renewedAt;
     for (;;) {
       try {
-        await sleep(period, stop);
+        // Every ttl/3 from the previous renewal's send, however long its answer took.
+        await sleep(Math.max(sent + period - now(), 0), stop);
       } catch {
         return;
       }
       if (this.lost) return;
       const started = now();
+      sent = started;
       const during = anySignal([stop, this.#controller.signal]);
       try {
         const renewed = await this.#client.renew(this.grant, {
@@ -435,6 +452,7 @@ export class Lease {
   #renewed(started: number, lock: Lock): void {
     if (this.lost) return; // a lease counted lost stays lost
     this.#lock = lock;
+    this.#renewedAt = Math.max(this.#renewedAt, started);
     this.#deadline = Math.max(this.#deadline, started + this.grant.ttl * 1000);
     this.#arm();
   }
@@ -509,6 +527,9 @@ export class LockClient {
     this.#transport = parsed.protocol === "https:" ? https : http;
     this.#agent = new this.#transport.Agent({ keepAlive: true });
     this.timeout = options.timeout ?? 10;
+    if (typeof this.timeout !== "number" || !(this.timeout > 0 && this.timeout <= MAX_TIMEOUT_SECONDS)) {
+      throw new TypeError(`timeout is seconds, more than 0 and at most ${MAX_TIMEOUT_SECONDS}: ${String(options.timeout)}`);
+    }
     const apiKey = options.apiKey ?? process.env.HELIX_LOCKS_API_KEY;
     this.#headers = apiKey ? { authorization: `Bearer ${apiKey}` } : {};
   }
@@ -524,7 +545,7 @@ export class LockClient {
   async withLock<T>(options: AcquireOptions, fn: (lease: Lease) => T | Promise<T>): Promise<T> {
     if (typeof fn !== "function") throw new TypeError("withLock needs a function to run while holding the lock");
     const grant = await this.acquire(options);
-    const lease = new Lease(grant, this);
+    const lease = new Lease(grant, this, await this.#confirmed(grant));
     const renewing = lease._keepAlive();
     let result: T | undefined;
     let failed = false;
@@ -561,6 +582,23 @@ export class LockClient {
   }
 
   /**
+   * A grant counts its lease from when the acquire was sent. After a wait longer than a renewal
+   * period that leaves too little, so renew once before the work starts, and count from that
+   * renewal's send instead. Undefined when no renewal is needed. A failure releases what it can
+   * and throws: the work never starts on a lease that may be over.
+   */
+  async #confirmed(grant: Grant): Promise<{ sentAt: number; lock: Lock } | undefined> {
+    if (now() - grant.sentAt < (grant.ttl * 1000) / 3) return undefined;
+    const sentAt = now();
+    try {
+      return { sentAt, lock: await this.renew(grant, { within: Math.max(grant.ttl / 3, 1) }) };
+    } catch (error) {
+      if (!(error instanceof LockLostError)) await this.release(grant, { within: 1 }).catch(() => undefined);
+      throw error;
+    }
+  }
+
+  /**
    * Acquire, or LockHeldError. With `wait`, the service waits for a held lock for up to that many
    * seconds (in rounds of at most 60). Every attempt carries one Idempotency-Key, so that a retry
    * after a lost answer or a 503 (honouring Retry-After, for at most half the lease) gets the same
@@ -583,6 +621,7 @@ export class LockClient {
     if (!waitable) body.wait_seconds = wait; // the service says what is wrong with it
     const headers = { "idempotency-key": randomUUID() }; // so that a retry never locks us out
     const giveUp = now() + (waitable ? wait * 1000 : 0);
+    let round = 0;
     const withinMs = typeof ttl === "number" && Number.isFinite(ttl) ? Math.max(ttl * 500, 1000) : 1000;
     for (;;) {
       let waiting = 0;
@@ -604,6 +643,11 @@ export class LockClient {
         return new Grant(answer.body as Acquired, ttl, started);
       } catch (error) {
         if (!(error instanceof LockHeldError) || now() >= giveUp) throw error;
+        // The service waited as long as it would (a round ends at its 60 s): ask again soon, but
+        // never in a tight loop against one that answers 409 at once, and never past the wait.
+        const pause = Math.min(50 * 2 ** round, MAX_BACKOFF_MS, error.retryAfter * 1000, giveUp - now());
+        round += 1;
+        await sleep(Math.max(pause, 0), signal);
       }
     }
   }
@@ -707,9 +751,9 @@ export class LockClient {
       const silence = new AbortController();
       const opened = anySignal([signal, silence.signal]);
       let timer: ReturnType<typeof setTimeout> | undefined;
-      const watchSilence = (): void => {
+      const watchSilence = (ms = WATCH_SILENCE_MS): void => {
         clearTimeout(timer);
-        timer = setTimeout(() => silence.abort(timeoutError("the stream went silent")), WATCH_SILENCE_MS);
+        timer = setTimeout(() => silence.abort(timeoutError("the stream went silent")), ms);
       };
       let refusal: Answer | null = null;
       let error: unknown = null;
@@ -720,7 +764,8 @@ export class LockClient {
           "cache-control": "no-cache",
         };
         if (resume !== null) headers["last-event-id"] = resume;
-        watchSilence();
+        // Opening waits no longer than what is left of `within`, nor than a silence.
+        watchSilence(Math.max(Math.min(WATCH_SILENCE_MS, since + limitMs - now()), 1));
         const response = await this.#open("GET", target, headers, undefined, opened.signal);
         if (response.statusCode !== 200) {
           refusal = await this.#read(response);
@@ -759,10 +804,7 @@ export class LockClient {
         clearTimeout(timer);
         opened.dispose();
       }
-      if (error !== null && !transient(error)) {
-        const why = error instanceof Error ? `${error.message}${causeOf(error)}` : String(error);
-        throw new UnavailableError(`GET ${target} failed: ${why}`, { cause: error });
-      }
+      if (error !== null && !transient(error)) throw error; // a mistake in the request
       const pause = Math.max(backoffMs(attempt, refusal), retryMs);
       const gaveUpAt = since + (heard || !refused(error) ? limitMs : REFUSED_WITHIN_MS);
       if (now() + pause > gaveUpAt) throw this.#gaveUp((now() - since) / 1000, error, refusal);
@@ -813,10 +855,7 @@ export class LockClient {
         raiseFor(answer, options.holding ?? false);
         return answer;
       }
-      if (answer === null && !transient(error)) {
-        const why = error instanceof Error ? `${error.message}${causeOf(error)}` : String(error);
-        throw new UnavailableError(`${method} ${url} failed: ${why}`, { cause: error });
-      }
+      if (answer === null && !transient(error)) throw error; // a mistake in the request, or ours
       until ??= now() + options.withinMs;
       const pause = backoffMs(attempt, answer);
       const limit = refused(error) ? Math.min(until, refusedUntil) : until;
@@ -868,7 +907,15 @@ export class LockClient {
   /** Read an answer's body: JSON when it says so, a problem object for an error status. */
   async #read(response: IncomingMessage): Promise<Answer> {
     const parts: Buffer[] = [];
-    for await (const part of response) parts.push(part as Buffer);
+    let size = 0;
+    for await (const part of response) {
+      size += (part as Buffer).length;
+      if (size > MAX_ANSWER_BYTES) {
+        response.destroy();
+        throw new ApiError(response.statusCode ?? 0, { detail: `an answer larger than ${MAX_ANSWER_BYTES} bytes` });
+      }
+      parts.push(part as Buffer);
+    }
     const text = Buffer.concat(parts).toString("utf8");
     const status = response.statusCode ?? 0;
     let body: unknown = null;
@@ -879,7 +926,7 @@ export class LockClient {
         body = null;
       }
     }
-    if (status >= 400) body = problemOf(body, text);
+    if (status < 200 || status >= 300) body = problemOf(body, text);
     return { status, headers: new AnswerHeaders(response.headers), body };
   }
 

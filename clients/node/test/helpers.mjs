@@ -51,7 +51,9 @@ export const wallNow = () => performance.timeOrigin + performance.now();
  * - `{ method, path, drop: true }`: forwards it, reads the service's answer, then closes the
  *   connection without answering (the request took effect; its answer was lost);
  * - `{ method, path, status: 503, retryAfter }`: forwards it, then answers 503 with that
- *   Retry-After in place of the service's answer.
+ *   Retry-After in place of the service's answer;
+ * - `{ method, path, delayMs }`: forwards it, and relays the service's answer that much later;
+ * - `{ method, path, answer: { status, type, body } }`: forwards it, then answers that instead.
  * `seen` records every request: method, path, headers, arrival (performance.now()), and what its
  * client was told (a status, or "dropped"), with the service's own answer.
  */
@@ -109,7 +111,14 @@ export class FaultyProxy {
       request.socket.destroy();
       return;
     }
-    if (fault) {
+    if (fault?.delayMs) {
+      await sleep(fault.delayMs);
+    } else if (fault?.answer) {
+      record.told = fault.answer.status;
+      response.writeHead(fault.answer.status, { "content-type": fault.answer.type });
+      response.end(fault.answer.body);
+      return;
+    } else if (fault) {
       record.told = fault.status;
       const problem = JSON.stringify({ type: "urn:helix-locks:problem:database-unavailable", status: fault.status });
       response.writeHead(fault.status, {
@@ -120,6 +129,7 @@ export class FaultyProxy {
       return;
     }
     record.told = answer.status;
+    record.relayedAt = performance.now();
     const headers = {};
     for (const name of ["content-type", "retry-after", "location", "x-request-id"]) {
       if (answer.headers[name] !== undefined) headers[name] = answer.headers[name];
@@ -180,6 +190,26 @@ export async function freePort() {
   const { port } = server.address();
   await new Promise((resolve) => server.close(resolve));
   return port;
+}
+
+/** An HTTP server on its own that answers every request with `handler(request, response)`; `count`
+ * is how many it got. */
+export async function fakeServer(handler) {
+  const server = http.createServer((request, response) => {
+    fake.count += 1;
+    request.resume();
+    handler(request, response);
+  });
+  await new Promise((resolve) => server.listen(0, "127.0.0.1", resolve));
+  const fake = {
+    count: 0,
+    url: `http://127.0.0.1:${server.address().port}`,
+    close: async () => {
+      server.closeAllConnections();
+      await new Promise((resolve) => server.close(resolve));
+    },
+  };
+  return fake;
 }
 
 /** An HTTP server that takes requests and never answers them. */
