@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path
 
-from helix_locks import api, problems, queries, telemetry
+from helix_locks import api, console, problems, queries, telemetry
 from helix_locks.db import Database, create_pool
 from helix_locks.errors import (
     BodyTooLarge,
@@ -290,6 +290,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             swagger_css_url="/docs/assets/swagger-ui.css",
             swagger_favicon_url="/docs/assets/favicon-32x32.png",
         )
+
+    console.mount(app)  # /console: the operator's console, also from files of our own
 
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(LockError, _domain_error)

@@ -1,0 +1,344 @@
+"""/console, the operator's console: its headers, and the page in a real browser (Debian's
+chromium) that can reach nothing but the service, against a real service process and real locks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
+from selenium.webdriver import Chrome
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from helix_locks import keys
+from helix_locks.console import CONTENT_SECURITY_POLICY
+from tests.support import ROUTE, running_service
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+needs_chromium = pytest.mark.skipif(
+    not (CHROMIUM and DRIVER), reason="needs Debian's chromium: apt-get install -y chromium chromium-driver"
+)
+HOSTILE = "<img src=x onerror=alert(1)>"
+EXACT_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Chrome]:
+    """One headless chromium for the module, its console log kept, every name but 127.0.0.1 unresolvable."""
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        # No internet: every name but the service's address fails to resolve.
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+    ):
+        options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
+    driver.set_window_size(1280, 800)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def artifacts(tmp_path: Path) -> Path:
+    """Where screenshots go: $HELIX_TEST_ARTIFACTS when set, else the test's own directory."""
+    given = os.environ.get("HELIX_TEST_ARTIFACTS")
+    folder = Path(given) if given else tmp_path
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def acquire(url: str, job_type: str, holder: str, key: str | None = None, **more: Any) -> dict[str, Any]:
+    body = {"organization_id": "acme", "job_type": job_type, "holder": holder, "ttl_seconds": 300, **more}
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    answer = httpx.post(f"{url}/v1/locks", json=body, headers=headers, timeout=10)
+    assert answer.status_code == 201, answer.text
+    lock: dict[str, Any] = answer.json()
+    return lock
+
+
+def holders(browser: Chrome) -> list[str]:
+    found: list[str] = browser.execute_script(
+        "return [...document.querySelectorAll('#lock-rows td.holder')].map(cell => cell.textContent)"
+    )
+    return found
+
+
+def wait_for(browser: Chrome, condition: Any, within: float = 10) -> Any:
+    """condition's first true answer; the page redraws as events come, so a stale element is retried."""
+    waiting = WebDriverWait(browser, within, 0.05, ignored_exceptions=(StaleElementReferenceException,))
+    return waiting.until(condition)
+
+
+def click(browser: Chrome, selector: str) -> None:
+    """Click the element the selector finds now, again if a redraw replaced it meanwhile."""
+    wait_for(browser, lambda b: b.find_element(By.CSS_SELECTOR, selector).click() or True)
+
+
+def span(browser: Chrome) -> float:
+    """The seconds the timeline shows, from its label."""
+    seconds: float = browser.execute_script(
+        "const label = document.querySelector('#timeline-chart svg').getAttribute('aria-label');"
+        "const [, start, end] = / from (\\S+) to (\\S+)$/.exec(label);"
+        "return (Date.parse(end) - Date.parse(start)) / 1000"
+    )
+    return seconds
+
+
+def bar(browser: Chrome, kind: str) -> dict[str, Any] | None:
+    """The facts of the timeline's first bar of this kind, read at once (a redraw replaces it)."""
+    found: dict[str, Any] | None = browser.execute_script(
+        "const bar = document.querySelector(`#timeline-chart g.lock[data-kind=${arguments[0]}]`);"
+        "return bar && {id: bar.dataset.lockId, marks: [...bar.querySelectorAll('[data-mark]')]"
+        ".map(mark => mark.dataset.mark), title: bar.querySelector('title').textContent}",
+        kind,
+    )
+    return found
+
+
+def open_console(browser: Chrome, url: str, key: str | None = None) -> None:
+    """Load the console, sign in with the key if given, and wait until it follows the events."""
+    console_log(browser)  # what an earlier test left
+    browser.get(f"{url}/console")
+    if key is not None:
+        field = wait_for(browser, lambda b: b.find_element(By.ID, "api-key"))
+        wait_for(browser, lambda b: field.is_displayed())
+        field.send_keys(key)
+        browser.find_element(By.CSS_SELECTOR, "#sign-in-form button[type=submit]").click()
+    wait_for(browser, lambda b: b.find_element(By.ID, "stream-state").text.startswith("Live"))
+
+
+def console_log(browser: Chrome) -> list[dict[str, Any]]:
+    """What the page wrote to its console since the last call."""
+    entries: list[dict[str, Any]] = browser.get_log("browser")  # type: ignore[no-untyped-call]
+    return entries
+
+
+def errors(browser: Chrome, allowed: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The console's errors, but those whose message holds an allowed text."""
+    return [
+        entry
+        for entry in console_log(browser)
+        if entry["level"] == "SEVERE" and not any(text in entry["message"] for text in allowed)
+    ]
+
+
+@pytest.mark.anyio
+async def test_the_page_is_served_with_a_strict_policy_and_no_key(client: httpx.AsyncClient) -> None:
+    page = await client.get("/console")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.headers["content-security-policy"] == EXACT_POLICY == CONTENT_SECURITY_POLICY
+    assert page.headers["x-content-type-options"] == "nosniff"
+    assert page.headers["referrer-policy"] == "no-referrer"
+    assert "<script>" not in page.text and "style=" not in page.text and "<style" not in page.text
+    for asset, kind in (("console.js", "javascript"), ("console.css", "text/css")):
+        answer = await client.get(f"/console/assets/{asset}")
+        assert answer.status_code == 200 and kind in answer.headers["content-type"], asset
+        assert answer.headers["x-content-type-options"] == "nosniff"
+    script = (await client.get("/console/assets/console.js")).text
+    assert "innerHTML" not in script and "insertAdjacentHTML" not in script and "eval(" not in script
+    assert (await client.get("/console/assets/nothing.js")).status_code == 404
+    document = (await client.get("/openapi.json")).json()
+    assert not [path for path in document["paths"] if path.startswith("/console")]
+
+
+@needs_chromium
+def test_the_live_table_follows_the_event_stream_and_shows_data_as_text(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        acquire(url, "nightly-report", "worker-1", metadata={"run": "2026-12-01"})
+        open_console(browser, url)  # anonymous mode: no key exists, so no sign-in
+        wait_for(browser, lambda b: "worker-1" in holders(b))
+        browser.execute_script("window.sameDocument = true")
+        listings = (
+            "return performance.getEntriesByType('resource')"
+            ".filter(entry => entry.name.includes('/v1/locks?')).length"
+        )
+        listed = browser.execute_script(listings)
+
+        # Changes made after the page loaded arrive through the event stream, not a reload or a poll.
+        acquire(url, "export", HOSTILE, metadata={"note": "<script>alert(2)</script>"})
+        started = time.monotonic()
+        wait_for(browser, lambda b: HOSTILE in holders(b), within=5)
+        print(f"\nan acquire reached the table in {time.monotonic() - started:.2f} s")
+        assert browser.execute_script("return window.sameDocument") is True
+        assert browser.execute_script(listings) == listed
+
+        # The hostile holder and metadata are text: no element was made from them.
+        assert browser.find_elements(By.CSS_SELECTOR, "#lock-table img, #lock-table script") == []
+        metadata = [cell.text for cell in browser.find_elements(By.CSS_SELECTOR, "#lock-rows td.metadata")]
+        assert '{"note":"<script>alert(2)</script>"}' in metadata
+
+        # Anonymous mode may read /metrics, but only an admin key may force: no Force button.
+        assert browser.find_elements(By.CSS_SELECTOR, "button.force") == []
+        assert "Conflicts (409)" in browser.find_element(By.ID, "conflicts").text
+        assert browser.find_element(By.ID, "sign-out").is_displayed() is False
+
+        resources = browser.execute_script(
+            "return performance.getEntriesByType('resource').map(entry => entry.name)"
+        )
+        assert resources and all(name.startswith(url) for name in resources), resources
+        assert errors(browser) == []
+        browser.save_screenshot(str(artifacts / "console-live-table.png"))
+
+        browser.set_window_size(390, 800)
+        try:
+            time.sleep(0.3)
+            widths = browser.execute_script(
+                "const wrap = document.querySelector('.table-wrap'), page = document.documentElement;"
+                "return [page.scrollWidth, innerWidth, wrap.scrollWidth, wrap.clientWidth]"
+            )
+            page_width, window_width, table_width, shown_width = widths
+            assert page_width <= window_width, widths  # the page itself does not scroll sideways
+            assert table_width > shown_width, widths  # the table scrolls in its own container
+            browser.save_screenshot(str(artifacts / "console-390px.png"))
+        finally:
+            browser.set_window_size(1280, 800)
+
+
+@needs_chromium
+def test_the_timeline_shows_a_reclaim_and_a_forced_release(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    admin = keys.create(db_url, None)
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        crashed = acquire(url, "nightly-report", "crashed-worker", admin)
+        # Its worker died 8 minutes into the job; the lease ran out 2 minutes ago.
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE helix_job_locks SET acquired_at = clock_timestamp() - interval '10 minutes',"
+                " expires_at = clock_timestamp() - interval '2 minutes' WHERE id = %s",
+                (crashed["id"],),
+            )
+        successor = acquire(url, "nightly-report", "next-worker", admin)
+        assert successor["reclaimed"]["lock_id"] == crashed["id"]
+        late = {"organization_id": "acme", "job_type": "nightly-report", "holder": "late", "ttl_seconds": 5}
+        conflict = httpx.post(f"{url}/v1/locks", json=late, headers={"Authorization": f"Bearer {admin}"})
+        assert conflict.status_code == 409
+
+        open_console(browser, url, admin)
+        assert browser.execute_script("return sessionStorage.length") == 1
+        wait_for(browser, lambda b: "next-worker" in holders(b))
+        wait_for(browser, lambda b: "1 on plain locks" in b.find_element(By.ID, "conflicts").text)
+        row = f"#lock-rows tr[data-lock-id='{successor['id']}']"
+        click(browser, f"{row} button.key")
+        reclaim = wait_for(browser, lambda b: bar(b, "reclaimed"))
+        assert reclaim["id"] == str(crashed["id"]) and "reclaim" in reclaim["marks"], reclaim
+        assert "crashed-worker" in reclaim["title"], reclaim
+        assert "2 min 0" in reclaim["title"], reclaim  # the gap: from the lease's end to the reclaim
+        assert "from the lease's end to the reclaim" in reclaim["title"], reclaim
+
+        # Force the successor's release from its row, behind a dialog that names the holder.
+        click(browser, f"{row} button.force")
+        wait_for(browser, lambda b: b.find_element(By.ID, "force-dialog").is_displayed())
+        assert "next-worker" in browser.find_element(By.ID, "force-text").text
+        browser.find_element(By.ID, "force-confirm").click()
+        wait_for(browser, lambda b: "next-worker" not in holders(b))
+        forced = wait_for(browser, lambda b: bar(b, "forced"))
+        assert forced["id"] == str(successor["id"]) and "forced" in forced["marks"], forced
+        # The view zooms and pans: by its buttons, and by the mouse wheel.
+        assert round(span(browser)) == 3600
+        click(browser, "#zoom-in")
+        assert round(span(browser)) == 1800
+        browser.execute_script(
+            "const svg = document.querySelector('#timeline-chart svg');"
+            "svg.dispatchEvent(new WheelEvent('wheel', {deltaY: -100, clientX: 600, cancelable: true}))"
+        )
+        assert round(span(browser)) == 1440
+        for control in ("#zoom-in", "#zoom-in", *["#later"] * 12):  # later stops at now
+            click(browser, control)
+        assert round(span(browser)) == 360
+        assert bar(browser, "forced") and bar(browser, "reclaimed")
+
+        ended = httpx.get(f"{url}/v1/locks/{successor['id']}", headers={"Authorization": f"Bearer {admin}"})
+        assert ended.json()["release_reason"] == "forced"
+        assert errors(browser, allowed=("401",)) == []  # the first listing, tried without a key
+        browser.find_element(By.ID, "timeline").screenshot(str(artifacts / "console-timeline.png"))
+
+
+@needs_chromium
+def test_an_organization_key_is_offered_no_force_and_the_service_refuses_it(
+    db_url: str, tmp_path: Path, browser: Chrome
+) -> None:
+    acme = keys.create(db_url, "acme")
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        lock = acquire(url, "nightly-report", "worker-1", acme)
+        console_log(browser)
+        browser.get(f"{url}/console")
+        field = wait_for(browser, lambda b: b.find_element(By.ID, "api-key"))
+        wait_for(browser, lambda b: field.is_displayed())
+        assert field.get_attribute("type") == "password"
+        assert browser.find_element(By.CSS_SELECTOR, "label[for=api-key]").text == "API key"
+        field.send_keys("hlk_000000000000_wrong")
+        browser.find_element(By.CSS_SELECTOR, "#sign-in-form button[type=submit]").click()
+        wait_for(browser, lambda b: "refused" in b.find_element(By.ID, "sign-in-error").text)
+
+        open_console(browser, url, acme)
+        wait_for(browser, lambda b: "worker-1" in holders(b))
+        assert browser.find_elements(By.CSS_SELECTOR, "button.force") == []
+        wait_for(browser, lambda b: "needs a key" in b.find_element(By.ID, "conflicts").text)
+
+        forcing = f"{url}/v1/locks/{lock['id']}?force=true"
+        refused = httpx.delete(forcing, headers={"Authorization": f"Bearer {acme}"})
+        assert refused.status_code == 403 and refused.json()["type"] == "urn:helix-locks:problem:forbidden"
+
+        browser.find_element(By.ID, "sign-out").click()
+        wait_for(browser, lambda b: b.find_element(By.ID, "api-key").is_displayed())
+        assert browser.execute_script("return sessionStorage.length") == 0
+        assert not browser.find_element(By.ID, "locks").is_displayed()
+
+
+@needs_chromium
+def test_ten_thousand_live_locks_render_a_first_page(db_url: str, tmp_path: Path, browser: Chrome) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "SELECT count(*) FROM generate_series(1, 10000) AS g, LATERAL helix_acquire_job_lock("
+            "'bulk', 'job-' || g, 'worker-' || g, 3600000, jsonb_build_object('n', g), NULL) AS granted"
+        )
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        started = time.monotonic()
+        browser.get(f"{url}/console")
+        rows = "#lock-rows tr[data-lock-id]"
+        wait_for(browser, lambda b: len(b.find_elements(By.CSS_SELECTOR, rows)) == 50, within=60)
+        first_page = time.monotonic() - started
+        wait_for(browser, lambda b: b.find_element(By.ID, "lock-count").text == "(10,000)", within=60)
+        every_lock = time.monotonic() - started
+        print(f"\n10,000 live locks: first page in {first_page:.2f} s, all listed in {every_lock:.2f} s")
+        assert len(browser.find_elements(By.CSS_SELECTOR, rows)) == 50
+        assert "Page 1 of 200" in browser.find_element(By.ID, "page-info").text
+        first = holders(browser)
+        browser.find_element(By.ID, "next-page").click()
+        wait_for(browser, lambda b: "Page 2 of 200" in b.find_element(By.ID, "page-info").text)
+        assert holders(browser) != first
+        browser.find_element(By.ID, "filter").send_keys("worker-9999")
+        wait_for(browser, lambda b: holders(b) == ["worker-9999"])
+
+
+@needs_chromium
+def test_without_the_event_stream_the_table_is_polled(db_url: str, tmp_path: Path, browser: Chrome) -> None:
+    env = ROUTE.env(db_url, HELIX_LOCKS_MAX_WATCHERS="0")  # every stream is refused: 503
+    with running_service(env=env, log=tmp_path / "s.log") as (url, _):
+        browser.get(f"{url}/console")
+        wait_for(browser, lambda b: "polling every 5 s" in b.find_element(By.ID, "stream-state").text)
+        acquire(url, "nightly-report", "polled-worker")
+        started = time.monotonic()
+        wait_for(browser, lambda b: "polled-worker" in holders(b), within=8)
+        print(f"\nwithout the stream, an acquire reached the table in {time.monotonic() - started:.2f} s")
