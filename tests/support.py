@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -297,16 +297,23 @@ ROUTE = Route()
 class LyingProxy:
     """An HTTP front for a service: it forwards every request, but answers 503 in place of the
     service's answer to the first request matching each lie (method, path prefix). The request
-    took effect; its client was told it did not, as when a 503 came while the statement ran on."""
+    took effect; its client was told it did not, as when a 503 came while the statement ran on.
+    Each of `delays` (method, path prefix, seconds) holds back the answer to the first request
+    that matches it, for that long."""
 
-    def __init__(self, target: str, lies: list[tuple[str, str]]) -> None:
+    def __init__(
+        self, target: str, lies: list[tuple[str, str]], delays: Sequence[tuple[str, str, float]] = ()
+    ) -> None:
         self.target = target
         self.lies = list(lies)
+        self.delays = list(delays)
         self.told: list[tuple[str, str, int]] = []  # (method, path, status the client got)
+        self.arrived: list[tuple[str, str, float]] = []  # (method, path, time.monotonic() on arrival)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
             def _forward(self) -> None:
+                proxy.arrived.append((self.command, self.path, time.monotonic()))
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(length) if length else None
                 headers = {
@@ -315,6 +322,12 @@ class LyingProxy:
                 answer = httpx.request(
                     self.command, proxy.target + self.path, headers=headers, content=body, timeout=60
                 )
+                delay = next(
+                    (x for x in proxy.delays if self.command == x[0] and self.path.startswith(x[1])), None
+                )
+                if delay is not None:
+                    proxy.delays.remove(delay)
+                    time.sleep(delay[2])
                 lie = next(
                     (x for x in proxy.lies if self.command == x[0] and self.path.startswith(x[1])), None
                 )

@@ -211,6 +211,56 @@ def test_an_acquire_whose_answer_was_lost_is_retried_and_gets_the_same_grant(
     assert took >= 1.0, "the retry waited the 503's Retry-After (1 s)"
 
 
+def test_a_lease_counts_from_the_acquire_s_send_not_from_its_late_answer(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    url, _ = service
+    with (
+        LyingProxy(url, [], delays=[("POST", "/v1/locks", 0.6)]) as proxy,
+        either(kind, proxy.url) as client,
+        client.lock("acme", "late-answer", ttl=3) as lease,
+    ):
+        ends = time.monotonic() + lease.remaining
+        arrivals = [at for method, path, at in proxy.arrived if method == "POST"]
+    # The request arrived after it was sent: the lease may last no longer from there.
+    assert ends <= arrivals[0] + 3 - 0.3 + 0.01, ends - arrivals[0]
+    assert len(arrivals) == 1, "no renewal was needed before the block"
+
+
+def test_after_an_acquire_longer_than_a_renewal_period_the_block_starts_on_a_renewal(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    url, _ = service
+    with (
+        LyingProxy(url, [], delays=[("POST", "/v1/locks", 1.5)]) as proxy,
+        either(kind, proxy.url) as client,
+        client.lock("acme", "long-acquire", ttl=3) as lease,
+    ):
+        ends = time.monotonic() + lease.remaining
+        renewals = [at for method, path, at in proxy.arrived if path.endswith("/renew")]
+        assert not lease.lost
+    assert len(renewals) == 1, "renewed once before the block"
+    assert ends <= renewals[0] + 3 - 0.3 + 0.01, ends - renewals[0]
+
+
+def test_renewals_go_every_ttl_3_from_the_previous_send_even_when_answered_slowly(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    url, _ = service
+    slow = [("POST", "/v1/locks/", 0.7)] * 3
+    with (
+        LyingProxy(url, [], delays=slow) as proxy,
+        either(kind, proxy.url) as client,
+        client.lock("acme", "slow-renewals", ttl=3) as lease,
+    ):
+        time.sleep(2.6)
+        assert not lease.lost, lease.lost_reason
+    at = [at for method, path, at in proxy.arrived if path.endswith("/renew")]
+    assert len(at) >= 2, at
+    # Answered after 0.7 s each: a period counted from the answer would put 1.7 s between them.
+    assert at[1] - at[0] < 1.3, at[1] - at[0]
+
+
 def test_a_release_retried_after_a_503_counts_as_released(kind: str, service: tuple[str, Any]) -> None:
     url, _ = service
     with LyingProxy(url, [("DELETE", "/v1/locks/")]) as proxy, either(kind, proxy.url) as client:

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import httpx
@@ -126,7 +126,8 @@ class Grant:
     fencing_token: int
     token: str = field(repr=False)  # a secret: a logged grant must not show it
     ttl: float
-    # This process's monotonic clock when the acquire was sent: the lease is counted from there.
+    # This process's monotonic clock when the acquire was sent (or, in lock(), the renewal that
+    # confirmed a long acquire): the lease is counted from there.
     sent_at: float = field(repr=False)
     body: dict[str, Any] = field(repr=False)
     # Of a semaphore: how many may hold the key at once, and which place, from 0, this one holds.
@@ -235,9 +236,8 @@ def _wait_round(body: dict[str, Any], give_up: float) -> float:
 
 
 def _grant(body: dict[str, Any], ttl: float, sent_at: float) -> Grant:
-    # A grant that waited was made long after the request was sent: count the lease from the
-    # database's own ttl_remaining_ms at its answer (the safety margin covers the way back).
-    sent_at = max(sent_at, time.monotonic() - ttl + body["ttl_remaining_ms"] / 1000)
+    # The grant was made after the request was sent, so a lease counted from the send never ends
+    # after the service's. (Not from the answer's ttl_remaining_ms: the answer may be read late.)
     return Grant(
         id=body["id"],
         organization_id=body["organization_id"],
@@ -335,6 +335,12 @@ class Lease:
         self.max_holders = grant.max_holders
         self._deadline = grant.sent_at + grant.ttl  # by our monotonic clock, from the request's start
         self._lost_reason: str | None = None
+        self._sent = grant.sent_at  # when the latest renewal (or the acquire) was sent
+
+    def _until_renewal(self) -> float:
+        """Seconds to the next renewal: ttl/3 after the previous one's send, however long its
+        answer took."""
+        return max(self._sent + self.grant.ttl / 3 - time.monotonic(), 0.0)
 
     @property
     def safety(self) -> float:
@@ -620,9 +626,27 @@ class _Core:
             yield _Pause(pause)
             attempt += 1
 
+    def _confirmed(self, grant: Grant) -> Flow[Grant]:
+        """A lease counts from when its acquire was sent. After a wait longer than a renewal
+        period that leaves too little, so renew once before the block starts, and count from that
+        renewal's send. A failure releases what it can and raises: the work never starts on a
+        lease that may be over."""
+        if time.monotonic() - grant.sent_at < grant.ttl / 3:
+            return grant
+        started = time.monotonic()
+        try:
+            yield from self._renew(grant.id, grant.token, grant.ttl, within=max(grant.ttl / 3, 1.0))
+        except LockLost:
+            raise
+        except HelixError:
+            with contextlib.suppress(HelixError):
+                yield from self._release(grant.id, grant.token)
+            raise
+        return replace(grant, sent_at=started)
+
     def _renewal(self, lease: Lease) -> Flow[bool]:
         """One renewal of a held lease; False once the lease is lost (it says why)."""
-        started = time.monotonic()
+        started = lease._sent = time.monotonic()
         grant = lease.grant
         try:
             yield from self._renew(grant.id, grant.token, grant.ttl, within=max(lease.remaining, 0.1))
@@ -769,6 +793,7 @@ class LockClient(_Core):
         """Hold the lock for the block: renewed every ttl/3 in a thread, released at the end.
         With `max_holders` N, a semaphore: up to N blocks hold the key at once (lease.slot)."""
         grant = self.acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders)
+        grant = self._run(self._confirmed(grant))
         lease = SyncLease(grant, self)
         stop = threading.Event()
         renewer = threading.Thread(
@@ -786,7 +811,7 @@ class LockClient(_Core):
 
     def keep_alive(self, lease: Lease, stop: threading.Event) -> None:
         """Renew every ttl/3 until `stop` is set or the lease is lost (it says which)."""
-        while not stop.wait(lease.grant.ttl / 3):
+        while not stop.wait(lease._until_renewal()):
             if not self._run(self._renewal(lease)):
                 return
 
@@ -920,6 +945,7 @@ class AsyncLockClient(_Core):
     ) -> AsyncIterator[AsyncLease]:
         """As LockClient.lock, renewed by a task."""
         grant = await self.acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders)
+        grant = await self._run(self._confirmed(grant))
         lease = AsyncLease(grant, self)
         renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")
         try:
@@ -935,6 +961,6 @@ class AsyncLockClient(_Core):
     async def keep_alive(self, lease: Lease) -> None:
         """Renew every ttl/3 until cancelled or the lease is lost (it says which)."""
         while True:
-            await asyncio.sleep(lease.grant.ttl / 3)
+            await asyncio.sleep(lease._until_renewal())
             if not await self._run(self._renewal(lease)):
                 return
