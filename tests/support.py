@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -31,6 +32,10 @@ from helix_locks.embedded import DIRECT_DATABASE_URL
 from helix_locks.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+needs_chromium = pytest.mark.skipif(
+    not (CHROMIUM and CHROMEDRIVER), reason="needs Debian's chromium and chromium-driver (apt-get)"
+)
 NODE_CLIENT = ROOT / "clients" / "node"
 
 
@@ -517,3 +522,22 @@ def build_node_client() -> Path:
     if not built.exists() or built.stat().st_mtime < max(path.stat().st_mtime for path in sources):
         npm("run", "build", cwd=NODE_CLIENT)
     return NODE_CLIENT
+
+
+def offline_chromium(console_log: bool = False) -> Any:
+    """Debian's chromium, headless, driven by Selenium, that can reach nothing but 127.0.0.1 (every
+    other name fails to resolve); with `console_log`, its console messages kept for get_log."""
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+    ):
+        options.add_argument(argument)
+    if console_log:
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))

@@ -4,7 +4,6 @@ chromium) that can reach nothing but the service, against a real service process
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +12,6 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver import Chrome
 from selenium.webdriver.common.by import By
@@ -21,12 +19,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from helix_locks import keys
 from helix_locks.console import CONTENT_SECURITY_POLICY
-from tests.support import ROUTE, running_service
+from tests.support import ROUTE, needs_chromium, offline_chromium, running_service
 
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-needs_chromium = pytest.mark.skipif(
-    not (CHROMIUM and DRIVER), reason="needs Debian's chromium: apt-get install -y chromium chromium-driver"
-)
 HOSTILE = "<img src=x onerror=alert(1)>"
 EXACT_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
@@ -37,18 +31,7 @@ EXACT_POLICY = (
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Chrome]:
     """One headless chromium for the module, its console log kept, every name but 127.0.0.1 unresolvable."""
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for argument in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-dev-shm-usage",
-        # No internet: every name but the service's address fails to resolve.
-        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-    ):
-        options.add_argument(argument)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=DRIVER))
+    driver: Chrome = offline_chromium(console_log=True)
     driver.set_window_size(1280, 800)
     try:
         yield driver
