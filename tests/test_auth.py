@@ -162,6 +162,14 @@ async def test_force_release_is_recorded_and_the_holder_learns_it(
         "SELECT release_reason, forced_by FROM helix_job_locks WHERE id = %s", (lock["id"],)
     ).fetchone()
     assert row == ("forced", admin_id)
+    # The lock object says who forced it, to every key that may see the lock.
+    for key in (api_keys.own, api_keys.admin):
+        got = await app_client.get(f"/v1/locks/{lock['id']}", headers=bearer(key))
+        assert got.json()["forced_by"] == admin_id, got.json()
+        params = {"organization_id": "acme", "job_type": "stuck-job", "state": "released"}
+        listed = await app_client.get("/v1/locks", params=params, headers=bearer(key))
+        assert [item["forced_by"] for item in listed.json()["items"]] == [admin_id], listed.json()
+    assert lock["forced_by"] is None, "an acquire's answer: not forced"
     headers = {**bearer(api_keys.own), "Lock-Token": lock["token"]}
     gone = await app_client.delete(f"/v1/locks/{lock['id']}", headers=headers)
     assert gone.status_code == 410

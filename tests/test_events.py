@@ -147,6 +147,8 @@ async def test_every_event_type_comes_from_real_operations(db_url: str, tmp_path
     assert "reclaimed" not in by_kind["released"]
     assert all("token" not in event.data["lock"] for event in watch.events)
     assert by_kind["forced"]["at"] == by_kind["forced"]["lock"]["released_at"]
+    assert by_kind["forced"]["lock"]["forced_by"] == keys.key_id(admin)
+    assert watch.events[0].data["lock"]["forced_by"] is None
     assert len({event.id for event in watch.events}) == 9
 
 

@@ -44,10 +44,13 @@ class Lock:
     metadata: dict[str, Any] | None
     max_holders: int
     slot: int
+    # The admin key that forced the release; None unless release_reason is 'forced'. Read by the
+    # statements that can meet a forced lock (one lock, the history, events), absent elsewhere.
+    forced_by: str | None = None
 
     @classmethod
     def from_row(cls, row: DictRow) -> Lock:
-        return cls(**{name: utc(row[name]) for name in cls.__dataclass_fields__})
+        return cls(**{name: utc(row[name]) for name in cls.__dataclass_fields__ if name in row})
 
 
 def utc(value: Any) -> Any:

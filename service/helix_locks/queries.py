@@ -84,7 +84,8 @@ UPDATE = "SELECT " + LOCK + " FROM helix_update_job_lock(%(lock_id)s, %(token)s,
 GET = (
     "SELECT "
     + LOCK
-    + """ FROM helix_job_lock_views
+    + """, (SELECT k.forced_by FROM helix_job_locks AS k WHERE k.id = %(lock_id)s) AS forced_by
+FROM helix_job_lock_views
 WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope)s)
 """
 )
@@ -220,7 +221,7 @@ _HISTORY = """
 SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquired_at, l.expires_at,
        l.released_at, l.release_reason,
        CASE WHEN l.release_reason = 'reclaimed' THEN 'reclaimed' ELSE 'released' END AS state,
-       0::bigint AS ttl_remaining_ms, l.metadata, l.max_holders, l.slot
+       0::bigint AS ttl_remaining_ms, l.metadata, l.max_holders, l.slot, l.forced_by
 FROM helix_job_locks AS l
 WHERE l.released_at IS NOT NULL
   AND (l.release_reason IS DISTINCT FROM 'reclaimed') = (%(state)s::text = 'released')
@@ -322,6 +323,7 @@ SELECT now.snapshot::text AS snapshot, now.until_at, a.n,
        e.event, e.at, e.rank, e.seen, e.id, e.organization_id, e.job_type, e.holder,
        e.fencing_token, e.acquired_at, e.expires_at, e.released_at, e.release_reason, e.state,
        e.ttl_remaining_ms, e.metadata, k.max_holders, k.slot,
+       CASE WHEN e.release_reason = 'forced' THEN k.forced_by END AS forced_by,
        e.reclaimed_lock_id, e.reclaimed_holder, e.reclaimed_expired_at
 FROM (SELECT pg_current_snapshot() AS snapshot, clock_timestamp() AS until_at) AS now
 CROSS JOIN unnest(
@@ -335,7 +337,8 @@ LEFT JOIN LATERAL (
     )
     LIMIT a.lim
 ) AS e ON true
--- A lock's max_holders and slot never change (migration 0017): any version of its row says them.
+-- A lock's max_holders and slot never change (migration 0017): any version of its row says them;
+-- forced_by is set once, with release_reason 'forced'.
 LEFT JOIN helix_job_locks AS k ON k.id = e.id
 ORDER BY a.n, e.id, e.at, e.rank
 """

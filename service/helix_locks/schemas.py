@@ -140,6 +140,7 @@ _RELEASED_LOCK: dict[str, Any] = {
     "metadata": {"run": "2026-11-30"},
     "max_holders": 1,
     "slot": 0,
+    "forced_by": None,
 }
 
 
@@ -250,6 +251,12 @@ class LockBody(BaseModel):
         description="Which of the max_holders places this lock holds, from 0; storage that fences the"
         " holders of a semaphore keeps one fence per slot.",
         examples=[0],
+    )
+    forced_by: str | None = Field(
+        default=None,
+        description="The id of the admin API key that released the lock by force; null unless"
+        " release_reason is forced.",
+        examples=[None],
     )
 
     @classmethod

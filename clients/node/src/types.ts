@@ -31,6 +31,8 @@ export interface Lock {
   max_holders: number;
   /** Which of those places this lock holds, from 0 to max_holders - 1. */
   slot: number;
+  /** The id of the admin key that released it by force; null otherwise (absent from older services). */
+  forced_by?: string | null;
 }
 
 /** The stale lock an acquire took over. */
