@@ -237,6 +237,7 @@ def test_the_timeline_shows_a_reclaim_and_a_forced_release(
         wait_for(browser, lambda b: "next-worker" not in holders(b))
         forced = wait_for(browser, lambda b: bar(b, "forced"))
         assert forced["id"] == str(successor["id"]) and "forced" in forced["marks"], forced
+        assert f"forced by the admin key {keys.key_id(admin)}" in forced["title"], forced  # who forced it
         # The view zooms and pans: by its buttons, and by the mouse wheel.
         assert round(span(browser)) == 3600
         click(browser, "#zoom-in")

@@ -831,6 +831,7 @@ function lockTitle(lock, kind, gapMs) {
     `expires ${lock.expires_at}`,
   ];
   if (lock.released_at) lines.push(`released ${lock.released_at} (${lock.release_reason})`);
+  if (lock.forced_by) lines.push(`forced by the admin key ${lock.forced_by}`);
   if (kind === 'reclaimed') lines.push(`crash: ${duration(gapMs)} from the lease's end to the reclaim`);
   if (kind === 'expired') lines.push(`lease ran out ${duration(gapMs)} ago: awaiting reclaim`);
   if (lock.metadata !== null && lock.metadata !== undefined) lines.push(`metadata ${metadataText(lock)}`);
@@ -924,6 +925,7 @@ function drawTimeline() {
     }
     if (kind === 'forced') {
       group.append(svgEl('text', { x: x1, y: y + h / 2 + 5, class: 'forced-mark middle', 'data-mark': 'forced' }, '✕'));
+      if (lock.forced_by) group.setAttribute('data-forced-by', lock.forced_by);
     }
     if (x1 - x0 > 70) {
       group.append(svgEl('text', { x: x0 + 4, y: y + h - 5, class: 'bar-label' }, lock.holder.slice(0, 40)));
