@@ -541,3 +541,11 @@ def offline_chromium(console_log: bool = False) -> Any:
     if console_log:
         options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+
+
+def node_example(node_client: Path, into: Path) -> Path:
+    """examples/node-worker.mjs as a user runs it: copied into `into`, beside a node_modules that
+    holds the built client (build_node_client). The copy's path."""
+    (into / "node_modules").mkdir(exist_ok=True)
+    (into / "node_modules" / "helix-locks").symlink_to(node_client, target_is_directory=True)
+    return Path(shutil.copy(ROOT / "examples" / "node-worker.mjs", into / "node-worker.mjs"))

@@ -23,7 +23,15 @@ import psycopg
 import pytest
 
 from helix_locks.client import LockClient
-from tests.support import ROOT, ROUTE, LyingProxy, helix_command, logged_requests, running_service
+from tests.support import (
+    ROOT,
+    ROUTE,
+    LyingProxy,
+    helix_command,
+    logged_requests,
+    node_example,
+    running_service,
+)
 
 Conn = psycopg.Connection[Any]
 KEY = {"organization_id": "acme", "job_type": "report"}
@@ -189,7 +197,9 @@ def test_a_release_that_answered_503_and_committed_is_a_release_to_the_sdk(
     assert answers[-2:] == [("DELETE", 503), ("DELETE", 410)], "answered 503 while it ran on, then 410"
 
 
-def worker(example: str, base_url: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def worker(
+    example: str, base_url: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HELIX_LOCKS_", "WORKER_"))}
     env |= {
         "HELIX_LOCKS_URL": base_url,
@@ -201,7 +211,7 @@ def worker(example: str, base_url: str, tmp_path: Path) -> subprocess.CompletedP
     }
     command = {
         "curl": [str(ROOT / "examples" / "curl-worker.sh")],
-        "node": ["node", str(ROOT / "examples" / "node-worker.mjs")],
+        "node": ["node", str(tmp_path / "node-worker.mjs")],
         "run": helix_command(
             "run",
             "--org",
@@ -216,6 +226,8 @@ def worker(example: str, base_url: str, tmp_path: Path) -> subprocess.CompletedP
             f"echo done >> {tmp_path / 'out'}",
         ),
     }[example]
+    if example == "node":  # run as a user runs it, beside a node_modules that holds the client
+        node_example(request.getfixturevalue("node_client"), tmp_path)
     return subprocess.run(
         [*command, str(tmp_path / "out")] if example != "run" else command,
         env=env,
@@ -227,7 +239,7 @@ def worker(example: str, base_url: str, tmp_path: Path) -> subprocess.CompletedP
 
 @pytest.mark.parametrize("example", ["curl", "node", "run"])
 def test_workers_get_through_503s_that_took_effect(
-    example: str, db_url: str, tmp_path: Path, conn: Conn
+    example: str, db_url: str, tmp_path: Path, conn: Conn, request: pytest.FixtureRequest
 ) -> None:
     """The acquire and the release each take effect and answer 503: the retry with the same
     Idempotency-Key gets the same grant (not 409 from its own lock), and the retried release
@@ -236,7 +248,7 @@ def test_workers_get_through_503s_that_took_effect(
         running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _),
         LyingProxy(url, [("POST", "/v1/locks"), ("DELETE", "/v1/locks/")]) as proxy,
     ):
-        result = worker(example, proxy.url, tmp_path)
+        result = worker(example, proxy.url, tmp_path, request)
     assert result.returncode == 0, result.stderr
     statuses = [status for _method, _path, status in proxy.told]
     assert statuses.count(503) == 2, proxy.told

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
@@ -16,7 +15,7 @@ import psycopg
 import pytest
 
 from tests.history import Told, check, database_history
-from tests.support import ROOT, logged_requests, running_service
+from tests.support import ROOT, logged_requests, node_example, running_service
 
 EXAMPLES = {"curl": ROOT / "examples" / "curl-worker.sh", "node": ROOT / "examples" / "node-worker.mjs"}
 KEY = ("acme", "nightly-report")
@@ -26,9 +25,7 @@ LOST = 76  # the examples' documented exit status when their lock was taken away
 @pytest.fixture(autouse=True)
 def installed(node_client: Path, tmp_path: Path) -> None:
     """The Node example runs as a user runs it: beside a node_modules that holds the client."""
-    (tmp_path / "node_modules").mkdir()
-    (tmp_path / "node_modules" / "helix-locks").symlink_to(node_client, target_is_directory=True)
-    shutil.copy(EXAMPLES["node"], tmp_path / EXAMPLES["node"].name)
+    node_example(node_client, tmp_path)
 
 
 @contextmanager
