@@ -3,9 +3,12 @@ chromium) that can reach nothing but the service, against a real service process
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ import pytest
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver import Chrome
 from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
 from helix_locks import keys
@@ -123,6 +127,86 @@ def errors(browser: Chrome, allowed: tuple[str, ...] = ()) -> list[dict[str, Any
     ]
 
 
+class FaultyProxy:
+    """An HTTP front for the service that streams its answers through (the event stream too), and
+    injects the faults a console must survive: `cut_stream` cuts the next event stream inside its
+    first event; `gone_resume` answers the next resume (a request with Last-Event-ID) `410`;
+    `hold_join` holds back each join (an event stream request without Last-Event-ID) that long;
+    `fail[prefix]` answers that many of the next requests whose path starts with prefix `503`.
+    `arrived` lists (path, whether it carried Last-Event-ID) in the order they came."""
+
+    def __init__(self, target: str) -> None:
+        self.cut_stream = False
+        self.gone_resume = False
+        self.hold_join = 0.0
+        self.fail: dict[str, int] = {}
+        self.cuts = 0
+        self.arrived: list[tuple[str, bool]] = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _problem(self, status: int, kind: str) -> None:
+                content = json.dumps(
+                    {"type": f"urn:helix-locks:problem:{kind}", "title": kind, "status": status}
+                )
+                self.send_response(status)
+                self.send_header("Content-Type", "application/problem+json")
+                self.send_header("Content-Length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content.encode())
+
+            def do_GET(self) -> None:
+                resume = self.headers.get("Last-Event-ID") is not None
+                proxy.arrived.append((self.path, resume))
+                failing = next((p for p, n in proxy.fail.items() if n > 0 and self.path.startswith(p)), None)
+                if failing is not None:
+                    proxy.fail[failing] -= 1
+                    return self._problem(503, "database-unavailable")
+                stream = self.path.startswith("/v1/events")
+                if stream and resume and proxy.gone_resume:
+                    proxy.gone_resume = False
+                    return self._problem(410, "events-expired")
+                if stream and not resume:
+                    time.sleep(proxy.hold_join)
+                cut = stream and proxy.cut_stream
+                if cut:
+                    proxy.cut_stream = False
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                with httpx.stream("GET", proxy.target + self.path, headers=headers, timeout=None) as answer:
+                    self.send_response(answer.status_code)
+                    for name in ("content-type", "cache-control"):
+                        if name in answer.headers:
+                            self.send_header(name, answer.headers[name])
+                    self.end_headers()  # HTTP/1.0: the body ends when the connection closes
+                    for chunk in answer.iter_raw():
+                        if cut and b"data:" in chunk:
+                            self.wfile.write(chunk[: chunk.index(b"data:") + 8])  # half an event
+                            proxy.cuts += 1
+                            return
+                        self.wfile.write(chunk)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        self.target = target
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> FaultyProxy:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def live_ids(browser: Chrome) -> set[int]:
+    """The ids of the locks the page holds as live."""
+    return set(browser.execute_script("return [...live.keys()]"))
+
+
 @pytest.mark.anyio
 async def test_the_page_is_served_with_a_strict_policy_and_no_key(client: httpx.AsyncClient) -> None:
     page = await client.get("/console")
@@ -138,6 +222,26 @@ async def test_the_page_is_served_with_a_strict_policy_and_no_key(client: httpx.
     script = (await client.get("/console/assets/console.js")).text
     assert "innerHTML" not in script and "insertAdjacentHTML" not in script and "eval(" not in script
     assert (await client.get("/console/assets/nothing.js")).status_code == 404
+    # Every answer under /console carries the page's headers: a 404, a 405, a redirect too.
+    for method, path, status in (
+        ("GET", "/console/assets/nothing.js", 404),
+        ("GET", "/console/assets/console.js/", 404),  # a trailing slash names no file
+        ("GET", "/console/assets/", 404),
+        ("POST", "/console", 405),
+        ("POST", "/console/assets/console.js", 405),
+        ("GET", "/console/", None),
+        ("GET", "/console/assets", None),
+    ):
+        answer = await client.request(method, path)
+        assert status is None or answer.status_code == status, (method, path, answer.status_code)
+        assert answer.status_code != 200, (method, path)
+        assert answer.headers.get("content-security-policy") == EXACT_POLICY, (
+            method,
+            path,
+            answer.status_code,
+        )
+        assert answer.headers.get("x-content-type-options") == "nosniff", (method, path)
+        assert answer.headers.get("referrer-policy") == "no-referrer", (method, path)
     document = (await client.get("/openapi.json")).json()
     assert not [path for path in document["paths"] if path.startswith("/console")]
 
@@ -326,3 +430,217 @@ def test_without_the_event_stream_the_table_is_polled(db_url: str, tmp_path: Pat
         started = time.monotonic()
         wait_for(browser, lambda b: "polled-worker" in holders(b), within=8)
         print(f"\nwithout the stream, an acquire reached the table in {time.monotonic() - started:.2f} s")
+
+
+@needs_chromium
+def test_the_console_recovers_from_cut_streams_410s_and_failed_requests(
+    db_url: str, tmp_path: Path, browser: Chrome
+) -> None:
+    admin = keys.create(db_url, None)
+    auth = {"Authorization": f"Bearer {admin}"}
+    with (
+        running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _),
+        FaultyProxy(url) as proxy,
+    ):
+        acquire(url, "nightly-report", "worker-1", admin)
+        console_log(browser)
+        browser.get(f"{proxy.url}/console")
+        field = wait_for(browser, lambda b: b.find_element(By.ID, "api-key"))
+        wait_for(browser, lambda b: field.is_displayed())
+
+        # The database is away for the first listing and for /metrics, once each; and the first
+        # stream is cut inside its first event, before any Last-Event-ID. The page tries again.
+        proxy.fail = {"/v1/locks?limit=1": 1, "/metrics": 1}
+        proxy.cut_stream = True
+        field.send_keys(admin)
+        browser.find_element(By.CSS_SELECTOR, "#sign-in-form button[type=submit]").click()
+        wait_for(browser, lambda b: "trying again" in b.find_element(By.ID, "status").text)
+        assert browser.find_element(By.ID, "sign-out").is_displayed()  # a stored key can be signed out
+        wait_for(browser, lambda b: b.find_element(By.ID, "stream-state").text.startswith("Live"))
+        # An admin gets Force once /metrics answers, after one failure.
+        wait_for(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "button.force"))
+        assert "Conflicts (409)" in browser.find_element(By.ID, "conflicts").text
+
+        # The change whose event was cut reaches the table: the rejoined stream lists again.
+        acquire(url, "export", "cut-in-its-event", admin)
+        wait_for(browser, lambda b: "cut-in-its-event" in holders(b))
+        assert proxy.cuts == 1
+
+        # A resume refused with 410: the page joins first, then lists, so a change made while it
+        # joins is not lost.
+        acquire(url, "import", "has-an-event-id", admin)
+        wait_for(browser, lambda b: "has-an-event-id" in holders(b))
+        assert browser.execute_script("return lastEventId") is not None
+        proxy.gone_resume, proxy.hold_join = True, 2.0
+        seen = len(proxy.arrived)
+        browser.execute_script("streamAbort.abort()")
+        wait_for(browser, lambda b: ("/v1/events", False) in proxy.arrived[seen:])
+        acquire(url, "archive", "acquired-while-joining", admin)
+        wait_for(browser, lambda b: "acquired-while-joining" in holders(b), within=8)
+        proxy.hold_join = 0.0
+        after = [path for path, _ in proxy.arrived[seen:]]
+        assert ("/v1/events", True) in proxy.arrived[seen:]  # the resume, refused
+        joined = after.index("/v1/events", after.index("/v1/events") + 1)
+        listed = next(i for i, path in enumerate(after) if path.startswith("/v1/locks?limit=500"))
+        assert joined < listed, after
+
+        truth = {lock["id"] for lock in httpx.get(f"{url}/v1/locks", headers=auth).json()["items"]}
+        wait_for(browser, lambda b: live_ids(b) == truth)
+        assert errors(browser, allowed=("401", "503", "410")) == []
+
+
+@needs_chromium
+def test_the_force_dialog_keyboard_sign_out_bad_keys_and_long_values(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    admin = keys.create(db_url, None)
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        target = acquire(url, "target", "the-target", admin, organization_id="mmm")
+        long_org, long_job = "O" * 128, "J" * 128
+        long = acquire(url, long_job, "H" * 256, admin, organization_id=long_org, metadata={"k": "v" * 3000})
+        reversing = acquire(url, "bidi", "\u202eevil\u202c", admin, organization_id="mmm")
+
+        # A pasted key with a character no header can carry is refused at once, and kept nowhere.
+        console_log(browser)
+        browser.get(f"{url}/console")
+        field = wait_for(browser, lambda b: b.find_element(By.ID, "api-key"))
+        wait_for(browser, lambda b: field.is_displayed())
+        browser.execute_script("arguments[0].value = arguments[1]", field, admin + "\u200b")
+        browser.find_element(By.CSS_SELECTOR, "#sign-in-form button[type=submit]").click()
+        wait_for(browser, lambda b: "printable ASCII" in b.find_element(By.ID, "sign-in-error").text)
+        assert browser.execute_script("return sessionStorage.length") == 0
+        assert "cannot be reached" not in browser.find_element(By.ID, "status").text
+
+        open_console(browser, url, admin)
+        force = f"#lock-rows tr[data-lock-id='{target['id']}'] button.force"
+        wait_for(browser, lambda b: b.find_element(By.CSS_SELECTOR, force).send_keys(Keys.ENTER) or True)
+        wait_for(browser, lambda b: b.find_element(By.ID, "force-dialog").is_displayed())
+        # The rows are drawn again under the dialog; Escape brings the focus back to the same lock's button.
+        acquire(url, "shifter", "shifter-1", admin, organization_id="aaa")
+        wait_for(browser, lambda b: "shifter-1" in holders(b))
+        browser.switch_to.active_element.send_keys(Keys.ESCAPE)
+        focused = f"force-{target['id']}"
+        wait_for(
+            browser, lambda b: b.execute_script("return document.activeElement.dataset.focus") == focused
+        )
+
+        # The table and each timeline bar have an accessible name; bars take the keyboard's focus.
+        click(browser, f"#lock-rows tr[data-lock-id='{reversing['id']}'] button.key")
+        wait_for(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "#timeline-chart g.lock[tabindex='0']"))
+        nodes = browser.execute_cdp_cmd("Accessibility.getFullAXTree", {})["nodes"]
+        names = {
+            (n["role"]["value"], (n.get("name") or {}).get("value", ""))
+            for n in nodes
+            if not n.get("ignored")
+        }
+        assert ("table", "Live locks") in names, [n for n in names if n[0] == "table"]
+        assert any(name.startswith(f"lock {reversing['id']}: held") for _, name in names), names
+
+        # A holder with a right-to-left override sits in its own <bdi>: it cannot reverse the sentence.
+        browser.execute_script("askForce(arguments[0])", reversing["id"])
+        parts = browser.execute_script(
+            "return [...document.getElementById('force-text').childNodes]"
+            ".map(n => [n.nodeName, n.textContent])"
+        )
+        assert ["BDI", "\u202eevil\u202c"] in parts, parts
+        assert parts[0][0] == "#text" and parts[0][1].startswith(f"Break lock {reversing['id']} of "), parts
+        browser.execute_script("document.getElementById('force-dialog').close()")
+
+        # At 390 px, long values wrap: the page never scrolls sideways, with the timeline or the dialog open.
+        browser.set_window_size(390, 800)
+        try:
+            browser.execute_script("openTimeline(arguments[0], arguments[1])", long_org, long_job)
+            wait_for(browser, lambda b: bar(b, "held"))
+            width = "return [document.documentElement.scrollWidth, innerWidth]"
+            page_width, window_width = browser.execute_script(width)
+            assert page_width <= window_width <= 390, (page_width, window_width)
+            browser.execute_script("askForce(arguments[0])", long["id"])
+            wait_for(browser, lambda b: b.find_element(By.ID, "force-dialog").is_displayed())
+            page_width, window_width = browser.execute_script(width)
+            assert page_width <= window_width, (page_width, window_width)
+            dialog = browser.execute_script(
+                "const d = document.getElementById('force-dialog'); return [d.scrollWidth, d.clientWidth]"
+            )
+            assert dialog[0] <= dialog[1], dialog
+            browser.save_screenshot(str(artifacts / "console-390px-long-values.png"))
+
+            # Signed out (a key refused later, say) with the dialog open: the dialog closes and the
+            # sign-in form is usable; nothing is forced.
+            browser.execute_script("signOut('The service refused this key (401): sign in again.')")
+            assert browser.execute_script("return document.getElementById('force-dialog').open") is False
+            field = wait_for(browser, lambda b: b.find_element(By.ID, "api-key"))
+            field.send_keys("x")
+            assert field.get_attribute("value") == "x"
+        finally:
+            browser.set_window_size(1280, 800)
+        held = httpx.get(f"{url}/v1/locks/{long['id']}", headers={"Authorization": f"Bearer {admin}"})
+        assert held.json()["state"] == "held"
+        assert errors(browser, allowed=("401",)) == []
+
+
+@needs_chromium
+def test_a_busy_week_is_read_in_bounded_pages_and_drawn_quickly(
+    db_url: str, tmp_path: Path, browser: Chrome
+) -> None:
+    # 50,000 ended locks of one key over the week before the last hour, one every 10 s.
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, metadata, acquired_at,"
+            " expires_at, released_at, release_reason, fencing_token)"
+            " SELECT 'acme', 'busy-key', 'w-' || g, md5(g::text), NULL,"
+            " now() - interval '1 hour' - g * interval '10 s' - interval '4 s',"
+            " now() - interval '1 hour' - g * interval '10 s' + interval '30 s',"
+            " now() - interval '1 hour' - g * interval '10 s',"
+            " CASE WHEN g % 50 = 0 THEN 'reclaimed' ELSE 'released' END, 1000000 - g"
+            " FROM generate_series(1, 50000) AS g"
+        )
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        acquire(url, "busy-key", "the-live-one")
+        open_console(browser, url)
+        wait_for(browser, lambda b: "the-live-one" in holders(b))
+        requests = (
+            "return performance.getEntriesByType('resource').filter(e => e.name.includes('busy-key')).length"
+        )
+
+        # Opening and closing at once stops the reading.
+        browser.execute_script("openTimeline('acme', 'busy-key')")
+        click(browser, "button.window[data-window='604800000']")
+        click(browser, "#close-timeline")
+        time.sleep(0.5)
+        stopped = browser.execute_script(requests)
+        time.sleep(1)
+        assert browser.execute_script(requests) == stopped
+
+        started = time.monotonic()
+        browser.execute_script("openTimeline('acme', 'busy-key')")
+        click(browser, "button.window[data-window='604800000']")
+        state = By.ID, "timeline-state"
+        wait_for(browser, lambda b: "older ones were not loaded" in b.find_element(*state).text, within=60)
+        read = browser.execute_script(requests) - stopped
+        print(f"\nthe busy week: {read} listing requests in {time.monotonic() - started:.1f} s")
+        assert read <= 2 * 20 + 4, read  # at most 20 pages per state, and the live locks
+
+        # Drawing 50,000 locks of the week (those read, and made-up ones for the rest).
+        drawn = browser.execute_script(
+            "const locks = [...known.values()]"
+            ".filter(lock => lock.job_type === 'busy-key' && lock.released_at);"
+            "const week = 7 * 24 * HOUR, now = serverNow();"
+            "for (let i = 0; known.size < 50000 + 10; i++) {"
+            "  const lock = Object.assign({}, locks[i % locks.length], {id: -1 - i});"
+            "  const at = now - HOUR - Math.random() * (week - HOUR);"
+            "  lock.acquired_at = new Date(at - 4000).toISOString();"
+            "  lock.released_at = new Date(at).toISOString(); known.set(lock.id, lock); }"
+            "let t = performance.now(); drawTimeline(); const first = performance.now() - t;"
+            "t = performance.now(); drawTimeline(); const again = performance.now() - t;"
+            "return [first, again, document.querySelectorAll('#timeline-chart g.lock').length, known.size]"
+        )
+        first, again, bars, locks = drawn
+        print(f"drawTimeline() of {locks:,} locks: {first:.0f} ms, again {again:.0f} ms, {bars:,} bars")
+        assert drawn[0] < 2000 and drawn[1] < 2000 and drawn[2] < 10000, drawn
+
+        # Closing the timeline forgets the ended locks no view needs any more.
+        click(browser, "#close-timeline")
+        known = browser.execute_script("return known.size")
+        assert known < 100, known
+        assert browser.execute_script("return document.activeElement.id") == "filter"
+        assert errors(browser) == []

@@ -6,14 +6,14 @@ so /console itself needs no key (like /docs) and holds no data.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import Response
 from fastapi.staticfiles import StaticFiles
-from starlette.staticfiles import PathLike
-from starlette.types import Scope
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 ASSETS = Path(__file__).with_name("console")
 
@@ -32,14 +32,35 @@ HEADERS = {
 
 
 class _Assets(StaticFiles):
-    """The console's files, with the page's headers on each, so that none is read as another type."""
+    """The console's files. A path with a trailing slash names a folder, never a file."""
 
-    def file_response(
-        self, full_path: PathLike, stat_result: os.stat_result, scope: Scope, status_code: int = 200
-    ) -> Response:
-        response = super().file_response(full_path, stat_result, scope, status_code)
-        response.headers.update(HEADERS)
-        return response
+    def get_path(self, scope: Scope) -> str:
+        if scope["path"].endswith("/"):
+            raise HTTPException(status_code=404)
+        return super().get_path(scope)
+
+
+class _ConsoleHeaders:
+    """Puts the page's headers on every answer under /console, whatever made it: the page, a
+    file, a 404, a 405 or a redirect."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path != "/console" and not path.startswith("/console/"):
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 def mount(app: FastAPI) -> None:
@@ -47,7 +68,8 @@ def mount(app: FastAPI) -> None:
     document."""
     page = (ASSETS / "index.html").read_bytes()
     app.mount("/console/assets", _Assets(directory=ASSETS), name="console-assets")
+    app.add_middleware(_ConsoleHeaders)
 
     @app.get("/console", include_in_schema=False)
     async def console() -> Response:
-        return Response(page, media_type="text/html; charset=utf-8", headers=HEADERS)
+        return Response(page, media_type="text/html; charset=utf-8")

@@ -13,6 +13,11 @@ const HOUR = 3600 * 1000;
 const LONG_HELD_MS = HOUR;
 const SVG_NS = 'http://www.w3.org/2000/svg';
 const ENDED = new Set(['released', 'forced', 'reclaimed']);
+const TIMELINE_PAGES = 20; // the timeline reads at most this many pages of history per state
+const RETRY_FIRST_MS = 1000;
+const RETRY_MOST_MS = 10000;
+// A key travels in a header: printable ASCII without spaces, of a sane length.
+const KEY_PATTERN = /^[\x21-\x7e]{1,512}$/;
 
 // --- State ----------------------------------------------------------------------------------
 
@@ -28,10 +33,13 @@ const listedDuringLoad = new Set(); // ids changed by an event while the listing
 let lastEventId = null;
 let streamAbort = null;
 let pollTimer = null;
+let startFailures = 0; // failed first listings in a row, for the backoff of start()
+let metricsTimer = null;
 const view = { filter: '', sortKey: 'organization_id', sortDir: 1, page: 0 };
 let renderedRows = []; // [{entry, ttlCell, ageCell, stateCell}] of the page on screen
 let timeline = null; // {org, job, windowMs, start, end, follow}
 let forceTarget = null;
+let timelineAbort = null; // stops the open timeline's history reading
 
 // The database's clock, estimated: a lock's expires_at minus its ttl_remaining_ms is the database's
 // time when it answered; from then on it advances with performance.now(), never the wall clock.
@@ -146,16 +154,24 @@ async function call(path, options) {
   return response;
 }
 
-// Every page of a listing, by cursor; stopWhen(lastItem) ends the paging early.
-async function listAll(params, stopWhen, onPage) {
+// Every page of a listing, by cursor; stopWhen(lastItem) ends the paging early. With options.pages,
+// it reads at most that many pages and sets options.cut when more followed; options.signal aborts it.
+async function listAll(params, stopWhen, onPage, options) {
   const gen = generation;
   const items = [];
+  const limits = options || {};
   let cursor = null;
+  let pages = 0;
   do {
+    if (limits.pages !== undefined && pages >= limits.pages) {
+      limits.cut = true;
+      break;
+    }
+    pages++;
     const query = new URLSearchParams(params);
     query.set('limit', String(LIST_LIMIT));
     if (cursor) query.set('cursor', cursor);
-    const response = await call(`/v1/locks?${query}`);
+    const response = await call(`/v1/locks?${query}`, { signal: limits.signal });
     if (gen !== generation) throw new Refused('signed out');
     if (!response.ok) throw new Error(await problemText(response));
     const page = await response.json();
@@ -174,40 +190,78 @@ function remember(lock) {
   known.set(lock.id, lock);
 }
 
+// Ended locks that no view needs any more are dropped: the charts need the last hour, and the open
+// timeline its key's window.
+function forgetOld() {
+  const now = serverNow();
+  const hourAgo = now - HOUR;
+  for (const [id, lock] of known) {
+    if (!lock.released_at || live.has(id)) continue;
+    const ended = Date.parse(lock.released_at);
+    if (ended >= hourAgo) continue;
+    const t = timeline;
+    if (t && t.org === lock.organization_id && t.job === lock.job_type && ended >= now - t.windowMs) continue;
+    known.delete(id);
+  }
+}
+
 // --- Start, sign in, sign out --------------------------------------------------------------
+
+// The wait before the next try: 1 s, doubling up to 10 s.
+function backoff(failures) {
+  return Math.min(RETRY_MOST_MS, RETRY_FIRST_MS * 2 ** Math.max(0, failures - 1));
+}
 
 async function start() {
   const gen = ++generation;
+  if (apiKey && !KEY_PATTERN.test(apiKey)) {
+    forgetKey();
+    showSignIn('That key cannot be right: a key is printable ASCII without spaces, at most 512 characters.');
+    return;
+  }
+  $('sign-out').hidden = !apiKey; // a stored key can always be signed out, even while retrying
   setStatus('Connecting…');
-  let response;
+  let response = null;
+  let problem;
   try {
     response = await fetch('/v1/locks?limit=1', { headers: authHeaders(), cache: 'no-store' });
   } catch (error) {
-    setStatus('The service cannot be reached; trying again in 5 s.');
-    setTimeout(() => gen === generation && start(), POLL_MS);
-    return;
+    problem = 'The service cannot be reached';
   }
   if (gen !== generation) return;
-  if (response.status === 401) {
+  if (response && response.status === 401) {
+    startFailures = 0;
     showSignIn(apiKey ? 'The service refused this key (401).' : '');
     return;
   }
-  if (!response.ok) {
-    setStatus(`The service refused the listing: ${await problemText(response)}`);
+  if (response && !response.ok) {
+    problem = `The service refused the listing (${await problemText(response)})`;
+    if (response.status < 500) {
+      setStatus(`${problem}.`);
+      return;
+    }
+  }
+  if (problem) {
+    // A network error or a 5xx may pass: try again, later each time.
+    const wait = backoff(++startFailures);
+    setStatus(`${problem}; trying again in ${wait / 1000} s.`);
+    setTimeout(() => gen === generation && start(), wait);
     return;
   }
+  startFailures = 0;
   $('sign-in').hidden = true;
   $('sign-out').hidden = !apiKey;
   $('overview').hidden = false;
   $('locks').hidden = false;
   setStatus(apiKey ? 'Signed in with an API key.' : 'No API key: the service answers without one (anonymous mode, loopback only).');
   buildHead();
-  checkMetrics(gen);
+  checkMetrics(gen, 0);
+  // The stream lists the locks each time it joins without a Last-Event-ID, the first time too:
+  // joining before listing means that no change falls between the listing and the stream.
   const joined = watch(gen);
-  // Join the stream before listing, so that no change falls between the listing and the stream.
-  await Promise.race([joined, sleep(3000)]);
+  const first = await Promise.race([joined.then(() => 'joined'), sleep(3000)]);
   if (gen !== generation) return;
-  await loadLive(gen);
+  if (first !== 'joined') await loadLive(gen); // slow to join: show the locks now, and again once joined
   loadRecentHistory(gen);
 }
 
@@ -222,16 +276,25 @@ function showSignIn(message) {
   $('api-key').focus();
 }
 
-function signOut(message) {
-  generation++;
+function forgetKey() {
   apiKey = '';
   sessionStorage.removeItem(KEY_STORAGE);
+}
+
+function signOut(message) {
+  generation++;
+  forgetKey();
+  // An open dialog would keep the sign-in form out of reach, and its action needs the key.
+  for (const dialog of document.querySelectorAll('dialog[open]')) dialog.close();
+  forceTarget = null;
+  closeTimeline();
+  if (metricsTimer !== null) clearTimeout(metricsTimer);
+  metricsTimer = null;
   stopStream();
   stopPolling();
   live.clear();
   known.clear();
   lastEventId = null;
-  timeline = null;
   canForce = false;
   renderedRows = [];
   $('lock-rows').replaceChildren();
@@ -245,7 +308,15 @@ function sleep(ms) {
 
 // --- Loading -------------------------------------------------------------------------------
 
-async function loadLive(gen) {
+// Listings run one after another: a listing asked for while one runs starts when it ends, so that
+// it reads the service after whatever made it wanted (joining the stream, say).
+let listing = Promise.resolve();
+function loadLive(gen) {
+  listing = listing.then(() => (gen === generation ? listLive(gen) : undefined));
+  return listing;
+}
+
+async function listLive(gen) {
   loading = true;
   listedDuringLoad.clear();
   const fresh = new Set();
@@ -283,21 +354,30 @@ async function loadRecentHistory(gen) {
   scheduleRender();
 }
 
-async function checkMetrics(gen) {
+// Only a 403 (or 401) says that this key may not read /metrics; any other failure may pass, so
+// it is tried again, later each time.
+async function checkMetrics(gen, failures) {
+  metricsTimer = null;
   let text = null;
+  let refused = false;
   try {
     const response = await call('/metrics');
     if (response.ok) text = await response.text();
+    else refused = response.status === 401 || response.status === 403;
   } catch (error) {
-    text = null;
+    if (error instanceof Refused) return;
   }
   if (gen !== generation) return;
   // Only an admin key may read /metrics once keys exist, and only an admin key may force; without
   // any key (anonymous mode) /metrics answers but force is refused.
   canForce = Boolean(apiKey) && text !== null;
   const conflicts = $('conflicts');
-  if (text === null) {
+  if (refused) {
     conflicts.textContent = 'Conflicts: needs a key that may read /metrics.';
+  } else if (text === null) {
+    const wait = backoff(failures + 1);
+    conflicts.textContent = `Conflicts: unknown for now (/metrics failed); trying again in ${wait / 1000} s.`;
+    metricsTimer = setTimeout(() => gen === generation && checkMetrics(gen, failures + 1), wait);
   } else {
     const counts = conflictCounts(text);
     conflicts.textContent =
@@ -334,9 +414,10 @@ function watch(gen) {
       const controller = new AbortController();
       streamAbort = controller;
       let response = null;
+      const resumeFrom = lastEventId;
       try {
         const headers = { Accept: 'text/event-stream' };
-        if (lastEventId) headers['Last-Event-ID'] = lastEventId;
+        if (resumeFrom) headers['Last-Event-ID'] = resumeFrom;
         response = await call('/v1/events', { headers, signal: controller.signal });
       } catch (error) {
         if (error instanceof Refused) return;
@@ -344,10 +425,9 @@ function watch(gen) {
       }
       if (gen !== generation) return;
       if (response && response.status === 410) {
-        // Too far behind to replay: list everything again and watch from now.
+        // Too far behind to replay: join from now, then list everything again (once joined, below).
         lastEventId = null;
-        setStreamState('Resuming was refused (410): listing again.');
-        await loadLive(gen);
+        setStreamState('Resuming was refused (410): joining again, then listing.');
         continue;
       }
       if (!response || !response.ok || !response.body) {
@@ -361,9 +441,14 @@ function watch(gen) {
       try {
         await readStream(response.body, gen, () => {
           failures = 0;
-          if (pollTimer !== null) {
-            stopPolling();
-            loadLive(gen); // catch up on what polling may have missed since its last round
+          const polling = pollTimer !== null;
+          stopPolling();
+          // A stream joined without Last-Event-ID replays nothing, and polling may have missed a
+          // change since its last round: list again, now that every later change reaches the stream.
+          if (!resumeFrom || polling) loadLive(gen);
+          if (metricsTimer !== null) {
+            clearTimeout(metricsTimer);
+            checkMetrics(gen, 1);
           }
           setStreamState('Live: following the event stream.');
           joinedResolve();
@@ -483,8 +568,15 @@ const COLUMNS = [
   { key: null, label: 'Action' },
 ];
 
+// Each lock's metadata as text, made once per lock object: sorting must not stringify every lock.
+const metadataTexts = new WeakMap();
 function metadataText(lock) {
-  return lock.metadata === null || lock.metadata === undefined ? '' : JSON.stringify(lock.metadata);
+  let text = metadataTexts.get(lock);
+  if (text === undefined) {
+    text = lock.metadata === null || lock.metadata === undefined ? '' : JSON.stringify(lock.metadata);
+    metadataTexts.set(lock, text);
+  }
+  return text;
 }
 
 function buildHead() {
@@ -581,7 +673,7 @@ function row(entry) {
     type: 'button', class: 'key',
     'data-focus': `key-${lock.id}`,
     title: 'Open the timeline of this organization and job type',
-  }, lock.job_type);
+  }, el('bdi', {}, lock.job_type));
   keyButton.addEventListener('click', () => openTimeline(lock.organization_id, lock.job_type));
   const stateCell = el('td', { class: 'state' });
   const ttlCell = el('td', { class: 'number ttl' });
@@ -596,15 +688,15 @@ function row(entry) {
     action.append(force);
   }
   const tr = el('tr', { 'data-lock-id': lock.id },
-    el('td', { class: 'org' }, lock.organization_id),
+    el('td', { class: 'org' }, el('bdi', {}, lock.organization_id)),
     el('td', {}, keyButton),
-    el('td', { class: 'holder' }, lock.holder),
+    el('td', { class: 'holder' }, el('bdi', {}, lock.holder)),
     stateCell,
     el('td', { class: 'number' }, `${lock.slot} / ${lock.max_holders}`),
     el('td', { class: 'number' }, String(lock.fencing_token)),
     ttlCell,
     ageCell,
-    el('td', { class: 'metadata' }, el('code', {}, metadataText(lock))),
+    el('td', { class: 'metadata' }, el('code', {}, el('bdi', {}, metadataText(lock)))),
     action);
   const rendered = { entry, stateCell, ttlCell, ageCell };
   tick(rendered);
@@ -653,6 +745,7 @@ function renderCharts() {
     return;
   }
   chartsAt = performance.now();
+  forgetOld();
   const now = serverNow();
   const buckets = 12;
   const width = 5 * 60 * 1000;
@@ -722,10 +815,12 @@ function askForce(id) {
   if (!entry) return;
   const lock = entry.lock;
   forceTarget = lock;
-  $('force-text').textContent =
-    `Break lock ${lock.id} of ${lock.organization_id} / ${lock.job_type} (slot ${lock.slot}), ` +
-    `held by “${lock.holder}” for ${duration(age(lock))}? Its holder is not told until its next ` +
-    'renewal or release, which will answer 410.';
+  // Each value sits in its own <bdi>, so that a direction mark in it cannot reorder the sentence.
+  $('force-text').replaceChildren(
+    `Break lock ${lock.id} of `, el('bdi', {}, lock.organization_id), ' / ', el('bdi', {}, lock.job_type),
+    ` (slot ${lock.slot}), held by “`, el('bdi', { class: 'holder' }, lock.holder),
+    `” for ${duration(age(lock))}? Its holder is not told until its next renewal or release, which `,
+    'will answer 410.');
   $('force-error').textContent = '';
   $('force-confirm').disabled = false;
   $('force-dialog').showModal();
@@ -734,7 +829,7 @@ function askForce(id) {
 
 async function confirmForce() {
   const lock = forceTarget;
-  if (!lock) return;
+  if (!lock || !apiKey) return; // only an admin key may force: never send it without one
   $('force-confirm').disabled = true;
   let response;
   try {
@@ -746,10 +841,9 @@ async function confirmForce() {
   }
   if (response.status === 204) {
     live.delete(lock.id);
+    scheduleRender();
     $('force-dialog').close();
     setStatus(`Lock ${lock.id} (holder “${lock.holder}”) was released by force.`);
-    forceTarget = null;
-    scheduleRender();
     return;
   }
   $('force-error').textContent = await problemText(response);
@@ -758,11 +852,19 @@ async function confirmForce() {
 
 // --- The timeline --------------------------------------------------------------------------
 
+function closeTimeline() {
+  if (timelineAbort) timelineAbort.abort();
+  timelineAbort = null;
+  timeline = null;
+  $('timeline').hidden = true;
+}
+
 function openTimeline(org, job) {
+  closeTimeline();
   const now = serverNow();
   timeline = { org, job, windowMs: HOUR, start: now - HOUR, end: now, follow: true };
   $('timeline').hidden = false;
-  $('timeline-heading').textContent = `Timeline of ${org} / ${job}`;
+  $('timeline-heading').replaceChildren('Timeline of ', el('bdi', {}, org), ' / ', el('bdi', {}, job));
   setWindowButtons();
   drawTimeline();
   loadTimeline();
@@ -775,24 +877,40 @@ function setWindowButtons() {
   }
 }
 
+// Reads the key's history for the window, newest first, at most TIMELINE_PAGES pages per state; a
+// new window, another timeline or closing it stops the reading.
 async function loadTimeline() {
   const target = timeline;
   if (!target) return;
+  if (timelineAbort) timelineAbort.abort();
+  const controller = new AbortController();
+  timelineAbort = controller;
   const since = serverNow() - target.windowMs;
   const filter = { organization_id: target.org, job_type: target.job };
   target.message = 'Loading the history…';
   $('timeline-state').textContent = target.message;
+  let oldest = null; // the oldest release read, when a state had more pages than were read
   try {
     for (const state of ['released', 'reclaimed']) {
-      await listAll(Object.assign({ state }, filter), (last) => Date.parse(last.released_at) < since);
+      const options = { pages: TIMELINE_PAGES, signal: controller.signal };
+      const items = await listAll(Object.assign({ state }, filter), (last) => Date.parse(last.released_at) < since,
+        null, options);
+      if (options.cut && items.length) {
+        const last = Date.parse(items[items.length - 1].released_at);
+        oldest = oldest === null ? last : Math.max(oldest, last);
+      }
     }
     await listAll(filter, null, (items, perfAt) => {
       for (const lock of items) live.set(lock.id, { lock, seen: perfAt });
-    });
-    target.message = '';
+    }, { signal: controller.signal });
+    target.message = oldest === null ? '' :
+      `Showing the newest ${(TIMELINE_PAGES * LIST_LIMIT).toLocaleString('en')} ended locks of each kind, ` +
+      `back to ${new Date(oldest).toISOString()}; older ones were not loaded.`;
   } catch (error) {
+    if (controller.signal.aborted) return;
     target.message = error instanceof Refused ? '' : `The history could not be read: ${error.message}`;
   }
+  if (timelineAbort === controller) timelineAbort = null;
   if (timeline === target) drawTimeline();
 }
 
@@ -806,12 +924,31 @@ function scheduleTimeline() {
   }, 200);
 }
 
+// While the view follows now, it is drawn again every 5 s; but not when it would move by less than
+// a pixel (a week's view moves a pixel in some 14 minutes), unless a minute has passed. Every
+// change of the view or of its locks draws it at once anyway.
 setInterval(() => {
-  if (timeline && timeline.follow) drawTimeline();
+  const t = timeline;
+  if (!t || !t.follow) return;
+  const moved = ((serverNow() - t.end) / (t.end - t.start)) * t.plot;
+  if (moved < 1 && performance.now() - t.drawnAt < 60000) return;
+  drawTimeline();
 }, 5000);
 
 // The bar of each lock: [start, end of its lease or release, the reclaim gap's end or null, kind].
+// An ended lock's bar never changes: it is worked out once per lock object.
+const endedSpans = new WeakMap();
 function lockSpan(lock, now) {
+  if (!lock.released_at) return spanOf(lock, now);
+  let span = endedSpans.get(lock);
+  if (span === undefined) {
+    span = spanOf(lock, now);
+    endedSpans.set(lock, span);
+  }
+  return span;
+}
+
+function spanOf(lock, now) {
   const start = Date.parse(lock.acquired_at);
   const expires = Date.parse(lock.expires_at);
   if (lock.release_reason === 'reclaimed') {
@@ -860,7 +997,7 @@ function drawTimeline() {
   const inView = locks
     .map((lock) => [lock, lockSpan(lock, now)])
     .filter(([, span]) => (span[2] ?? span[1]) >= t.start && span[0] <= t.end);
-  const lanes = Math.max(1, ...inView.map(([lock]) => lock.slot + 1));
+  const lanes = inView.reduce((most, [lock]) => Math.max(most, lock.slot + 1), 1);
   const box = $('timeline-chart');
   const width = Math.max(320, Math.floor(box.clientWidth || 800));
   const left = 60;
@@ -869,6 +1006,8 @@ function drawTimeline() {
   const laneHeight = 30;
   const height = top + lanes * laneHeight + 8;
   const plot = width - left - right;
+  t.plot = plot;
+  t.drawnAt = performance.now();
   const x = (time) => left + ((time - t.start) / (t.end - t.start)) * plot;
   const clamp = (value) => Math.max(left, Math.min(left + plot, value));
 
@@ -900,12 +1039,55 @@ function drawTimeline() {
     svg.append(svgEl('line', { x1: left, x2: left + plot, y1: y + laneHeight, y2: y + laneHeight, class: 'lane' }));
   }
   const bars = svgEl('g', { 'clip-path': 'url(#plot)' });
+  // Ended locks narrower than a pixel, when several share a pixel of a lane, are drawn as one bar
+  // there, so that a busy week
+  // costs a few thousand bars at most, however many locks it had. The bar takes the kind that
+  // matters most among its locks: a forced release, else a crash, else a release.
+  const rank = { released: 0, reclaimed: 1, forced: 2 };
+  const merged = new Map();
   for (const [lock, [start, end, gapEnd, kind]] of inView) {
+    if (!lock.released_at || x(gapEnd ?? end) - x(start) >= 1) continue;
+    const pixel = Math.floor(clamp(x(start)));
+    const name = lock.slot * 100000 + pixel;
+    let bucket = merged.get(name);
+    if (bucket === undefined) {
+      bucket = { slot: lock.slot, pixel, kind, counts: {}, first: start, last: end, locks: [] };
+      merged.set(name, bucket);
+    }
+    bucket.locks.push(lock);
+    bucket.counts[kind] = (bucket.counts[kind] || 0) + 1;
+    if ((rank[kind] || 0) > (rank[bucket.kind] || 0)) bucket.kind = kind;
+    bucket.first = Math.min(bucket.first, start);
+    bucket.last = Math.max(bucket.last, gapEnd ?? end);
+  }
+  const drawnMerged = new Set();
+  for (const bucket of merged.values()) {
+    if (bucket.locks.length === 1) continue; // a lock alone in its pixel is drawn as itself, below
+    for (const lock of bucket.locks) drawnMerged.add(lock);
+    const counts = Object.entries(bucket.counts).map(([kind, count]) => `${count} ${kind}`).join(', ');
+    const text = `${counts} in slot ${bucket.slot}, from ${new Date(bucket.first).toISOString()} to ` +
+      `${new Date(bucket.last).toISOString()}: zoom in for each lock`;
+    const group = svgEl('g', {
+      class: `lock merged ${bucket.kind}`, 'data-kind': 'merged', tabindex: 0, role: 'img', 'aria-label': text,
+    });
+    group.append(svgEl('title', {}, text));
+    group.append(svgEl('rect', {
+      x: bucket.pixel, y: top + bucket.slot * laneHeight + 5, width: 1, height: laneHeight - 10, class: 'bar',
+    }));
+    bars.append(group);
+  }
+  for (const [lock, [start, end, gapEnd, kind]] of inView) {
+    if (drawnMerged.has(lock)) continue;
     const y = top + lock.slot * laneHeight + 5;
     const h = laneHeight - 10;
     const gapMs = gapEnd === null ? 0 : gapEnd - end;
-    const group = svgEl('g', { class: `lock ${kind}`, 'data-kind': kind, 'data-lock-id': lock.id });
-    group.append(svgEl('title', {}, lockTitle(lock, kind, gapMs)));
+    const title = lockTitle(lock, kind, gapMs);
+    // Focusable, and named as its tooltip, so that its facts are reachable by keyboard too.
+    const group = svgEl('g', {
+      class: `lock ${kind}`, 'data-kind': kind, 'data-lock-id': lock.id, tabindex: 0, role: 'img',
+      'aria-label': title,
+    });
+    group.append(svgEl('title', {}, title));
     const x0 = clamp(x(start));
     const x1 = clamp(x(end));
     group.append(svgEl('rect', { x: x0, y, width: Math.max(2, x1 - x0), height: h, class: 'bar' }));
@@ -986,6 +1168,15 @@ document.addEventListener('DOMContentLoaded', () => {
     event.preventDefault();
     const key = $('api-key').value.trim();
     if (!key) return;
+    if (!KEY_PATTERN.test(key)) {
+      // fetch cannot send such a key in a header at all: say so, and keep it nowhere.
+      $('api-key').value = '';
+      $('sign-in-error').textContent =
+        'That key cannot be right: a key is printable ASCII without spaces, at most 512 characters. ' +
+        'Copy it again (a pasted key may carry an invisible character).';
+      $('api-key').focus();
+      return;
+    }
     apiKey = key;
     sessionStorage.setItem(KEY_STORAGE, key);
     $('api-key').value = '';
@@ -1023,13 +1214,20 @@ document.addEventListener('DOMContentLoaded', () => {
   $('earlier').addEventListener('click', () => timeline && pan(-(timeline.end - timeline.start) / 2));
   $('later').addEventListener('click', () => timeline && pan((timeline.end - timeline.start) / 2));
   $('close-timeline').addEventListener('click', () => {
-    timeline = null;
-    $('timeline').hidden = true;
+    closeTimeline();
+    forgetOld();
+    $('filter').focus();
   });
   $('force-confirm').addEventListener('click', confirmForce);
   $('force-cancel').addEventListener('click', () => $('force-dialog').close());
   $('force-dialog').addEventListener('close', () => {
+    const lock = forceTarget;
     forceTarget = null;
+    if ($('locks').hidden) return; // signed out: the sign-in form has the focus
+    // The rows may have been drawn again meanwhile: find the lock's button again by its id, else
+    // fall back to the filter, which is always there.
+    const again = lock && live.has(lock.id) && $('lock-rows').querySelector(`[data-focus="force-${lock.id}"]`);
+    (again || $('filter')).focus();
   });
   start();
 });
