@@ -17,6 +17,7 @@ import psycopg
 import pytest
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver import Chrome
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
@@ -360,6 +361,34 @@ def test_the_timeline_shows_a_reclaim_and_a_forced_release(
         assert ended.json()["release_reason"] == "forced"
         assert errors(browser, allowed=("401",)) == []  # the first listing, tried without a key
         browser.find_element(By.ID, "timeline").screenshot(str(artifacts / "console-timeline.png"))
+        every_control_is_named_and_reached_by_tab(browser)
+
+
+def every_control_is_named_and_reached_by_tab(browser: Chrome) -> None:
+    """Every control the page shows (buttons, inputs, focusable bars) has a name in chromium's
+    accessibility tree, and Tab, pressed again and again, reaches each of them."""
+    nodes = browser.execute_cdp_cmd("Accessibility.getFullAXTree", {})["nodes"]
+    roles = {"button", "textbox", "searchbox", "combobox", "checkbox", "link"}
+    shown = [n for n in nodes if not n.get("ignored") and n["role"]["value"] in roles]
+    unnamed = [n for n in shown if not n.get("name", {}).get("value")]
+    assert unnamed == [], unnamed
+    # The controls shown: enabled, and laid out (an SVG element has no offsetParent).
+    controls = (
+        "[...document.querySelectorAll('button:enabled, input:enabled, select:enabled, [tabindex=\"0\"]')]"
+        ".filter(e => e.offsetParent !== null || e instanceof SVGElement)"
+    )
+    count: int = browser.execute_script(
+        "window.reached = new Set();"
+        "document.addEventListener('focusin', e => window.reached.add(e.target));"
+        f"return {controls}.length"
+    )
+    browser.execute_script("document.activeElement.blur()")
+    for _ in range(count + 5):
+        ActionChains(browser).send_keys(Keys.TAB).perform()
+    missed: list[str] = browser.execute_script(
+        f"return {controls}.filter(e => !window.reached.has(e)).map(e => e.outerHTML.slice(0, 120))"
+    )
+    assert missed == [], missed
 
 
 @needs_chromium
