@@ -194,8 +194,9 @@ class Node:
 class Cluster:
     """Handle on a running cluster; made by :func:`patroni_cluster`."""
 
-    def __init__(self, workdir: Path, run_id: str, bin_dir: Path) -> None:
+    def __init__(self, workdir: Path, run_id: str, bin_dir: Path, replication: Replication) -> None:
         self.workdir = workdir
+        self.replication = replication
         self.run_id = run_id
         self.bin_dir = bin_dir
         etcd_client, etcd_peer, *node_ports = free_ports(6)
@@ -263,7 +264,8 @@ class Cluster:
         return cast(str, others[0]["name"])
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
-        """Wait for a running leader and a streaming synchronous standby (checked in Patroni and PG)."""
+        """Wait for a running leader and a streaming standby, synchronous unless the cluster's
+        replication is not (checked in Patroni and PG)."""
         deadline = time.monotonic() + timeout
         problem = "not checked yet"
         while time.monotonic() < deadline:
@@ -291,6 +293,22 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise ClusterError(f"processes of {name} survive SIGKILL: {sorted(pids)}")
             time.sleep(0.02)
+
+    def walreceiver(self, name: str) -> int:
+        """The pid of the node's WAL receiver, the process that takes the leader's WAL: the child
+        of the node's postmaster that says so in its process title."""
+        postmaster = (self.node(name).data_dir / "postmaster.pid").read_text().split("\n", 1)[0].strip()
+        with os.scandir("/proc") as entries:
+            for entry in entries:
+                if not entry.name.isdigit():
+                    continue
+                with contextlib.suppress(OSError):
+                    stat = Path(f"/proc/{entry.name}/stat").read_bytes()
+                    parent = stat[stat.rindex(b")") + 2 :].split()[1].decode()
+                    title = Path(f"/proc/{entry.name}/cmdline").read_bytes()
+                    if parent == postmaster and b"walreceiver" in title:
+                        return int(entry.name)
+        raise ClusterError(f"{name} has no WAL receiver running")
 
     def kill_leader(self) -> str:
         """SIGKILL the leader's Patroni and PostgreSQL (no watchdog here); return its name."""
@@ -424,8 +442,9 @@ class Cluster:
                     "ttl": TTL,
                     "loop_wait": LOOP_WAIT,
                     "retry_timeout": RETRY_TIMEOUT,
-                    "maximum_lag_on_failover": 1048576,
-                    "synchronous_mode": True,
+                    "maximum_lag_on_failover": self.replication.maximum_lag_on_failover,
+                    "synchronous_mode": self.replication.synchronous,
+                    "synchronous_mode_strict": self.replication.strict,
                     "postgresql": {
                         "use_pg_rewind": True,
                         "use_slots": True,
@@ -532,18 +551,19 @@ class Cluster:
     def _health_problem(self) -> str | None:
         members = self.members()
         leaders = [m for m in members if m["role"] == "leader" and m["state"] == "running"]
-        syncs = [m for m in members if m["role"] == "sync_standby" and m["state"] in ("running", "streaming")]
+        role, sync_state = ("sync_standby", "sync") if self.replication.synchronous else ("replica", "async")
+        syncs = [m for m in members if m["role"] == role and m["state"] in ("running", "streaming")]
         if len(leaders) != 1 or not syncs:
             have = [(m["name"], m["role"], m["state"]) for m in members]
-            return f"want a running leader and sync_standby, have {have}"
+            return f"want a running leader and {role}, have {have}"
         leader, sync = self.node(leaders[0]["name"]), syncs[0]["name"]
         with psycopg.connect(leader.conninfo, autocommit=True, connect_timeout=2) as conn:
             if cast(tuple[bool], conn.execute("SELECT pg_is_in_recovery()").fetchone())[0]:
                 return f"leader {leader.name} is still in recovery"
             query = "SELECT application_name, state, sync_state FROM pg_stat_replication"
             rows = conn.execute(query).fetchall()
-        if (sync, "streaming", "sync") not in rows:
-            return f"{sync} is not a streaming sync standby of {leader.name}: {rows}"
+        if (sync, "streaming", sync_state) not in rows:
+            return f"{sync} is not a streaming {sync_state} standby of {leader.name}: {rows}"
         return None
 
     def close(self) -> None:
@@ -582,10 +602,22 @@ class Cluster:
         return {p for p in marked_pids(self.run_id) if _pid_alive(p)}
 
 
+@dataclass(frozen=True)
+class Replication:
+    """Patroni's replication settings: synchronous_mode (and _strict), and how far behind (in
+    bytes of WAL) a replica may be and still be promoted."""
+
+    synchronous: bool = True
+    strict: bool = False
+    maximum_lag_on_failover: int = 1048576
+
+
 @contextlib.contextmanager
-def patroni_cluster(workdir: Path, startup_timeout: float = 90.0) -> Iterator[Cluster]:
+def patroni_cluster(
+    workdir: Path, startup_timeout: float = 90.0, replication: Replication = Replication()
+) -> Iterator[Cluster]:
     """Start etcd and two Patroni/PostgreSQL nodes in an empty ``workdir``; stop them all on exit."""
-    cluster = Cluster(workdir.resolve(), uuid.uuid4().hex[:12], find_pg_bin_dir())
+    cluster = Cluster(workdir.resolve(), uuid.uuid4().hex[:12], find_pg_bin_dir(), replication)
     try:
         cluster._start(startup_timeout)
         yield cluster
