@@ -46,7 +46,7 @@ from pathlib import Path
 
 import psycopg
 
-from bench import BenchError, interrupted, log, said_and_stopped, tool_output
+from bench import BenchError, interrupted, load_average, log, said_and_stopped, tool_output
 from bench.database import bench_database, seed
 from bench.pgbench import pgbench_path
 from bench.results import CPUS, busy_cores, busy_cpu_ticks
@@ -360,7 +360,7 @@ def report(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, interrupted)
-    setup = [f"load average before the run: {' '.join(f'{value:.2f}' for value in os.getloadavg())}"]
+    setup = [load_average()]
     with said_and_stopped(), ExitStack() as cleanup:
         workdir = Path(tempfile.mkdtemp(prefix="helix-bench-ceiling-"))
         cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)

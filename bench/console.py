@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from bench import BenchError, interrupted, log, said_and_stopped
+from bench import BenchError, interrupted, load_average, log, said_and_stopped, settle_turns, turn_arguments
 from bench.database import bench_database
 from bench.http_load import run_http
 from bench.results import CPUS, Result, percentile
@@ -44,19 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m bench.console",
         description="Grants/s on a busy key with the console closed, and open on that key's timeline.",
     )
-    parser.add_argument("--quick", action="store_true", help="one round of 1 s warm-up + 4 s")
-    parser.add_argument("--rounds", type=int, help="rounds of every side (default: 3)")
-    parser.add_argument("--duration", type=int, help="seconds measured per side (default: 10)")
-    parser.add_argument("--warmup", type=int, help="seconds of warm-up per side (default: 3)")
-    parser.add_argument("--clients", type=int, default=32, help="clients (default: 32)")
-    parser.add_argument("--workers", type=int, default=2, help="service worker processes (default: 2)")
-    parser.add_argument("--processes", type=int, default=CPUS, help="load generator processes")
+    turn_arguments(parser)
     args = parser.parse_args(argv)
-    args.rounds = args.rounds or (1 if args.quick else 3)
-    args.duration = args.duration or (4 if args.quick else 10)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    if min(args.rounds, args.duration, args.clients, args.workers, args.processes) < 1:
-        parser.error("--rounds, --duration, --clients, --workers and --processes must be >= 1")
+    settle_turns(parser, args)
     return args
 
 
@@ -126,6 +116,7 @@ def line(name: str, results: list[Result], duration: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, interrupted)
+    setup = load_average()
     rounds: dict[str, list[Result]] = {side: [] for side in SIDES}
     with said_and_stopped(), ExitStack() as cleanup:
         workdir = Path(tempfile.mkdtemp(prefix="helix-bench-console-"))
@@ -148,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"The console on a busy key: {args.clients} clients on one key ('{BUSY_KEY}'), acquire (again"
                 f" after a 409) then release; {args.rounds} round(s) of {args.warmup} s warm-up +"
                 f" {args.duration} s per side, sides in turn; {CPUS} CPUs shared by everything",
+                f"  {setup}",
                 f"  database: {where}; serve --workers {args.workers}, an organization API key",
                 "  closed: no console; open: headless chromium on /console with the key's timeline, following"
                 " the events",

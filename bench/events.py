@@ -55,7 +55,7 @@ from typing import Any
 
 import psycopg
 
-from bench import BenchError, interrupted, log, said_and_stopped
+from bench import BenchError, interrupted, load_average, log, said_and_stopped
 from bench.database import before_and_after, bench_database, database_name
 from bench.http_client import RawConnection, run_loop
 from bench.http_load import Sample, helix_cycle, run_http
@@ -540,7 +540,7 @@ def report(args: argparse.Namespace, setup: list[str], out: Figures) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, interrupted)
-    setup = [f"load average before the run: {' '.join(f'{value:.2f}' for value in os.getloadavg())}"]
+    setup = [load_average()]
     out = Figures()
     with said_and_stopped(), ExitStack() as cleanup:
         workdir = Path(tempfile.mkdtemp(prefix="helix-bench-events-"))

@@ -42,7 +42,7 @@ from fastapi import FastAPI, Response
 from psycopg.rows import DictRow
 from pydantic import BaseModel
 
-from bench import interrupted, log, said_and_stopped
+from bench import interrupted, load_average, log, said_and_stopped
 from bench.database import bench_database, seed
 from bench.servers import bare_process, service_process, worker_pids
 from bench.wrk import WrkResult, run_wrk
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         log("error: wrk is not installed (apt-get install wrk)")
         return 1
     signal.signal(signal.SIGTERM, interrupted)
-    setup = [f"load average before the run: {' '.join(f'{value:.2f}' for value in os.getloadavg())}"]
+    setup = [load_average()]
     results: dict[str, list[WrkResult]] = {layer: [] for layer in args.variants}
     with said_and_stopped(), ExitStack() as cleanup:
         workdir = Path(tempfile.mkdtemp(prefix="helix-bench-layers-"))

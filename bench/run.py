@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import shutil
 import signal
 import sys
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import psycopg
 
-from bench import interrupted, log, said_and_stopped
+from bench import interrupted, load_average, log, said_and_stopped
 from bench.chart import draw
 from bench.database import bench_database, seed
 from bench.http_load import run_http
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, interrupted)
     # Anything else running skews the numbers on a small machine: say how busy it was.
-    setup = [f"load average before the run: {' '.join(f'{value:.2f}' for value in os.getloadavg())}"]
+    setup = [load_average()]
     runs: dict[str, list[list[Result]]] = {side: [[] for _ in args.levels] for side in SIDES}
     with said_and_stopped(), ExitStack() as cleanup:
         workdir = Path(tempfile.mkdtemp(prefix="helix-bench-"))

@@ -21,7 +21,6 @@ The database and the cleanup are bench/run.py's.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import signal
 import statistics
@@ -30,7 +29,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench import interrupted, log, said_and_stopped
+from bench import interrupted, load_average, log, said_and_stopped, settle_turns, turn_arguments
 from bench.database import before_and_after, bench_database
 from bench.http_load import SEMAPHORE_HOLDERS, run_http
 from bench.pgbench import run_pgbench
@@ -47,24 +46,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="What semaphores cost: cycles/s before migration 0017 and with it, and hot keys of"
         " max_holders 1 and 4.",
     )
-    parser.add_argument("--quick", action="store_true", help="one round of 1 s warm-up + 4 s")
-    parser.add_argument("--rounds", type=int, help="rounds of every side (default: 3)")
-    parser.add_argument("--duration", type=int, help="seconds measured per side (default: 10)")
-    parser.add_argument("--warmup", type=int, help="seconds of warm-up per side (default: 3)")
-    parser.add_argument("--clients", type=int, default=32, help="clients (default: 32)")
-    parser.add_argument("--workers", type=int, default=2, help="service worker processes (default: 2)")
-    parser.add_argument("--processes", type=int, default=CPUS, help="load generator processes")
+    turn_arguments(parser)
     parser.add_argument("--history", type=int, help="ended locks seeded (default: 200000; quick: 50000)")
     parser.add_argument("--live", type=int, default=10_000, help="live locks seeded (default: 10000)")
     parser.add_argument("--base", help="the commit measured as before (default: the one before 0017's)")
     args = parser.parse_args(argv)
-    quick = args.quick
-    args.rounds = args.rounds or (1 if quick else 3)
-    args.duration = args.duration or (4 if quick else 10)
-    args.warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
-    args.history = args.history if args.history is not None else (50_000 if quick else 200_000)
-    if min(args.rounds, args.duration, args.clients, args.workers, args.processes) < 1:
-        parser.error("--rounds, --duration, --clients, --workers and --processes must be >= 1")
+    settle_turns(parser, args)
+    args.history = args.history if args.history is not None else (50_000 if args.quick else 200_000)
     return args
 
 
@@ -140,7 +128,7 @@ def report(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, interrupted)
-    setup = [f"load average before the run: {' '.join(f'{value:.2f}' for value in os.getloadavg())}"]
+    setup = [load_average()]
     with said_and_stopped(), ExitStack() as cleanup:
         workdir = Path(tempfile.mkdtemp(prefix="helix-bench-semaphores-"))
         cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
