@@ -225,7 +225,10 @@ def report_over_time(
         run = load.run
         grants, acquires = len(run.granted_at), len(run.latencies)
         window = sorted(run.latencies[seen_acquires:acquires])
-        violations = check(database_history(url), run.told, run.renewed, run.released)
+        # What clients were told first, then the database: every answer told so far had committed
+        # before it was told, while the rows read may be newer than any answer (never the reverse).
+        told, renewed, released = list(run.told), list(run.renewed), list(run.released)
+        violations = check(database_history(url), told, renewed, released)
         values = (
             f"{(now - started) / 60:.1f}",
             f"{(grants - seen_grants) / interval:.1f}",
