@@ -194,6 +194,39 @@ def test_a_lease_with_wait_is_granted_when_the_holder_releases(db_url: str, tmp_
         releaser.join()
 
 
+def test_run_that_waited_longer_than_its_ttl_runs_its_command_on_a_confirmed_lease(
+    db_url: str, tmp_path: Path
+) -> None:
+    """The lease counts from the acquire's send: after a wait of 3 s, a 2 s lease counted from
+    there would be over at once. The acquire renews once and counts from that renewal instead."""
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
+        holder = client.acquire("acme", "slow-queue", ttl=30)
+        waiter = helix_run(
+            url,
+            "--org",
+            "acme",
+            "--job-type",
+            "slow-queue",
+            "--ttl",
+            "2",
+            "--wait",
+            "20",
+            "--",
+            "sh",
+            "-c",
+            "sleep 1; echo done",
+            stderr=subprocess.PIPE,
+        )
+        time.sleep(3)
+        client.release(holder.id, holder.token)
+        _, err = waiter.communicate(timeout=30)
+        assert waiter.returncode == 0, err
+        assert client.current("acme", "slow-queue") is None, "released at the end"
+
+
 def test_run_interrupted_while_waiting_for_the_lock_exits_128_plus_the_signal(
     db_url: str, tmp_path: Path
 ) -> None:

@@ -517,7 +517,7 @@ class _Core:
                     refused_within=REFUSED_WITHIN_SECONDS,
                     timeout=self.timeout + waiting if self.timeout else None,
                 )
-                return _grant(response.json(), ttl, started)
+                return (yield from self._confirmed(_grant(response.json(), ttl, started)))
             except LockHeld:
                 if time.monotonic() >= give_up:
                     raise
@@ -628,8 +628,8 @@ class _Core:
 
     def _confirmed(self, grant: Grant) -> Flow[Grant]:
         """A lease counts from when its acquire was sent. After a wait longer than a renewal
-        period that leaves too little, so renew once before the block starts, and count from that
-        renewal's send. A failure releases what it can and raises: the work never starts on a
+        period that leaves too little, so renew once before the grant is handed over, and count
+        from that renewal's send. A failure releases what it can and raises: no work starts on a
         lease that may be over."""
         if time.monotonic() - grant.sent_at < grant.ttl / 3:
             return grant
@@ -793,7 +793,6 @@ class LockClient(_Core):
         """Hold the lock for the block: renewed every ttl/3 in a thread, released at the end.
         With `max_holders` N, a semaphore: up to N blocks hold the key at once (lease.slot)."""
         grant = self.acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders)
-        grant = self._run(self._confirmed(grant))
         lease = SyncLease(grant, self)
         stop = threading.Event()
         renewer = threading.Thread(
@@ -945,7 +944,6 @@ class AsyncLockClient(_Core):
     ) -> AsyncIterator[AsyncLease]:
         """As LockClient.lock, renewed by a task."""
         grant = await self.acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders)
-        grant = await self._run(self._confirmed(grant))
         lease = AsyncLease(grant, self)
         renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")
         try:
