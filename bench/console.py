@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -35,7 +37,7 @@ from bench.servers import create_key, service_process
 from helix_locks.migrate import migrate
 from tests.support import CHROMEDRIVER, CHROMIUM, offline_chromium
 
-SIDES = ("closed", "open")
+SIDES = ("closed", "watcher", "open")
 BUSY_KEY = "hot-key"  # the job type bench.http_load's "hot" side cycles, in organization "bench"
 
 
@@ -60,6 +62,10 @@ def console_open(base_url: str, key: str) -> Iterator[Any]:
     if not (CHROMIUM and CHROMEDRIVER):
         raise BenchError("needs Debian's chromium and chromium-driver (apt-get install)")
     browser = offline_chromium()
+    # The operator's browser runs on the operator's machine, not the service's: here it shares the
+    # 2 cores, so it runs at the lowest priority, and what is measured is the service's share.
+    for pid in browser_processes(browser.service.process.pid):
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
     try:
         browser.set_window_size(1280, 800)
         browser.get(f"{base_url}/console")
@@ -85,8 +91,37 @@ def console_open(base_url: str, key: str) -> Iterator[Any]:
         browser.quit()
 
 
+def browser_processes(driver: int) -> list[int]:
+    """chromedriver and every process under it (chromium's), by their parents in /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (entry / "stat").read_bytes()
+                parents[int(entry.name)] = int(stat[stat.rindex(b")") + 2 :].split()[1])
+    found, frontier = [driver], [driver]
+    while frontier:
+        frontier = [pid for pid, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+@contextlib.contextmanager
+def watching(base_url: str, key: str) -> Iterator[None]:
+    """A plain watcher of the organization's events (curl), what the console's stream costs alone."""
+    url = f"{base_url}/v1/events?organization_id=bench"
+    command = ["curl", "-sN", "-H", f"Authorization: Bearer {key}", url]
+    curl = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        curl.kill()
+        curl.wait()
+
+
 def run_side(args: argparse.Namespace, base_url: str, key: str, side: str, round_: int) -> Result:
-    with console_open(base_url, key) if side == "open" else contextlib.nullcontext() as browser:
+    opened = {"open": console_open, "watcher": watching}.get(side)
+    with opened(base_url, key) if opened else contextlib.nullcontext() as browser:
         result = run_http(
             base_url, "hot", key, args.clients, args.processes, args.warmup, args.duration, False, round_
         )
@@ -141,11 +176,13 @@ def main(argv: list[str] | None = None) -> int:
                 f" {args.duration} s per side, sides in turn; {CPUS} CPUs shared by everything",
                 f"  {setup}",
                 f"  database: {where}; serve --workers {args.workers}, an organization API key",
-                "  closed: no console; open: headless chromium on /console with the key's timeline, following"
-                " the events",
+                "  closed: no console; watcher: curl on /v1/events; open: headless chromium at nice 19 on"
+                " /console with the key's timeline, following the events",
                 *(line(side, rounds[side], args.duration) for side in SIDES),
                 f"  open/closed grants/s: {medians['open'] / medians['closed']:.3f}; 409s/s:"
-                f" {conflicts['open'] / conflicts['closed']:.3f}",
+                f" {conflicts['open'] / conflicts['closed']:.3f}; a plain watcher (curl) instead of the"
+                f" console: {medians['watcher'] / medians['closed']:.3f},"
+                f" {conflicts['watcher'] / conflicts['closed']:.3f}",
             ]
         )
     )
