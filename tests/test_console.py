@@ -458,7 +458,10 @@ def test_without_the_event_stream_the_table_is_polled(db_url: str, tmp_path: Pat
         acquire(url, "nightly-report", "polled-worker")
         started = time.monotonic()
         wait_for(browser, lambda b: "polled-worker" in holders(b), within=8)
-        print(f"\nwithout the stream, an acquire reached the table in {time.monotonic() - started:.2f} s")
+        took = time.monotonic() - started
+        print(f"\nwithout the stream, an acquire reached the table in {took:.2f} s")
+        assert "polled-worker" in holders(browser)
+        assert "polling every 5 s" in browser.find_element(By.ID, "stream-state").text, "still polling"
 
 
 @needs_chromium

@@ -315,7 +315,6 @@ export class Lease {
   readonly #controller = new AbortController();
   readonly #stop = new AbortController();
   readonly #safetyMs: number;
-  #deadline: number; // performance.now() when the lease could lapse, counted from the request's start
   #renewedAt: number; // performance.now() when the latest successful renewal (or the acquire) was sent
   #timer: ReturnType<typeof setTimeout> | undefined;
   #lock: Lock;
@@ -327,7 +326,6 @@ export class Lease {
     this.#lock = renewed?.lock ?? grant.lock;
     this.#safetyMs = Math.max(MIN_SAFETY_MS, grant.ttl * 1000 * SAFETY_FRACTION);
     this.#renewedAt = renewed?.sentAt ?? grant.sentAt;
-    this.#deadline = this.#renewedAt + grant.ttl * 1000;
     this.#arm();
   }
 
@@ -371,7 +369,7 @@ export class Lease {
 
   /** Seconds until the lease could lapse by this process's clock, less the safety margin. */
   get remaining(): number {
-    return (this.#deadline - this.#safetyMs - now()) / 1000;
+    return (this.#deadline() - this.#safetyMs - now()) / 1000;
   }
 
   /** Throws the LockLostError unless the lock is surely still held. */
@@ -453,12 +451,16 @@ export class Lease {
     if (this.lost) return; // a lease counted lost stays lost
     this.#lock = lock;
     this.#renewedAt = Math.max(this.#renewedAt, started);
-    this.#deadline = Math.max(this.#deadline, started + this.grant.ttl * 1000);
     this.#arm();
   }
 
+  /** performance.now() when the lease could lapse: a ttl after the latest successful renewal's send. */
+  #deadline(): number {
+    return this.#renewedAt + this.grant.ttl * 1000;
+  }
+
   #checkClock(): void {
-    if (!this.#controller.signal.aborted && now() >= this.#deadline - this.#safetyMs) {
+    if (!this.#controller.signal.aborted && now() >= this.#deadline() - this.#safetyMs) {
       this._lose(new LockLostError("the lease may have lapsed: renewals did not succeed in time"));
     }
   }
@@ -469,7 +471,7 @@ export class Lease {
     this.#timer = undefined;
     this.#checkClock();
     if (this.#controller.signal.aborted) return;
-    const wait = this.#deadline - this.#safetyMs - now();
+    const wait = this.#deadline() - this.#safetyMs - now();
     this.#timer = setTimeout(() => this.#arm(), Math.max(1, Math.ceil(wait)));
   }
 }
