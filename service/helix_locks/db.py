@@ -126,11 +126,10 @@ async def translated() -> AsyncIterator[None]:
         raise
 
 
-def _discard_outcome(statement: asyncio.Future[Any]) -> None:
-    """Retrieve a statement's error, so that one nobody awaits (its caller already answered
-    503, or was cancelled) is not reported as never retrieved."""
-    if not statement.cancelled():
-        statement.exception()
+def _too_late(answer: asyncio.Future[Any]) -> None:
+    """The deadline passed without an answer: the caller hears 503, the statement runs on."""
+    if not answer.done():
+        answer.set_exception(DatabaseUnavailable("no answer before the deadline"))
 
 
 # How every connection of a service process is made (the pool's and the listener's).
@@ -204,7 +203,7 @@ class Database:
         self.deadline_seconds = settings.query_deadline_seconds
         self.through_pooler = settings.through_pooler
         self._statement_timeout_ms = str(settings.statement_timeout_ms)
-        self._statements: set[asyncio.Future[list[DictRow]]] = set()
+        self._statements: set[asyncio.Task[None]] = set()
 
     async def _fetch_all(self, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:
         async with translated():
@@ -241,17 +240,37 @@ class Database:
         cancel the query on a silent server, and a connection taken back mid-query can make the
         pool's close() hang; close() below waits for these statements instead.
         """
-        statement = asyncio.ensure_future(self._fetch_all(query, params))
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[list[DictRow]] = loop.create_future()
+        statement = loop.create_task(self._answer(answer, query, params))
         self._statements.add(statement)
         statement.add_done_callback(self._statements.discard)
-        statement.add_done_callback(_discard_outcome)
+        # A timer on the answer itself, not asyncio.timeout around a shield: the same deadline,
+        # and the caller woken as the rows arrive, not after the task's end and then the shield's
+        # (each a turn of the event loop, which a busy worker pays on every statement:
+        # docs/performance.md).
+        deadline = loop.call_later(self.deadline_seconds, _too_late, answer)
         try:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
-            # arrives as the statement completes, and a cancelled background task runs on.
-            async with asyncio.timeout(self.deadline_seconds):
-                return await asyncio.shield(statement)
-        except TimeoutError as exc:
-            raise DatabaseUnavailable("no answer before the deadline") from exc
+            return await answer  # cancelling the caller cancels this future, not the statement
+        finally:
+            deadline.cancel()
+
+    async def _answer(
+        self, answer: asyncio.Future[list[DictRow]], query: LiteralString, params: Mapping[str, Any]
+    ) -> None:
+        """Run the statement to its end, whether or not anyone still waits, and hand over its rows
+        or its error the moment it has them."""
+        try:
+            rows = await self._fetch_all(query, params)
+        except asyncio.CancelledError:  # only when the loop itself is being torn down
+            answer.cancel()
+            raise
+        except Exception as exc:
+            if not answer.done():  # else its caller is gone: the error is nobody's to hear
+                answer.set_exception(exc)
+            return
+        if not answer.done():
+            answer.set_result(rows)
 
     async def close(self) -> None:
         """Wait (up to the deadline) for the statements still running, then close the pool."""
