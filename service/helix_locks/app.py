@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path
 
-from helix_locks import api, console, problems, queries, telemetry
+from helix_locks import api, console, hot, problems, queries, telemetry
 from helix_locks.db import Database, create_pool
 from helix_locks.errors import (
     BodyTooLarge,
@@ -296,6 +296,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(LockError, _domain_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_middleware(hot.HotRoutes, on_error=_domain_error)  # inside BodyLimit: bodies arrive whole
     app.add_middleware(BodyLimit)
     app.add_middleware(telemetry.Observe, metrics=metrics)  # outermost: sees every answer
 
