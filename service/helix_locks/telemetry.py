@@ -14,6 +14,7 @@ import re
 import secrets
 import time
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -24,6 +25,7 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+from prometheus_client.metrics import MetricWrapperBase
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from helix_locks import logs, problems, queries
@@ -137,6 +139,7 @@ class Metrics:
             multiprocess_mode="mostrecent",
         )
         self._locks_read = 0.0
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
 
     def organization(self, outcome: Outcome) -> str:
         """The organization label: empty (no label, to Prometheus) unless enabled by setting, and
@@ -148,14 +151,23 @@ class Metrics:
     def answered(self, path: str | None, method: str, status: int, seconds: float, outcome: Outcome) -> None:
         """Count one finished request: its route's path, and what its route and answer recorded."""
         method = method if method in _METHODS else "other"
-        self.requests.labels(method, path or "unmatched", str(status)).observe(seconds)
+        self._child(self.requests, method, path or "unmatched", str(status)).observe(seconds)
         organization = self.organization(outcome)
         if outcome.problem == "lock-ended":
-            self.lost.labels(organization).inc()
+            self._child(self.lost, organization).inc()
         counter = OPERATIONS.get((method, path or ""))
         if counter is not None:
             result = outcome.result or _RESULTS.get(str(outcome.problem), str(outcome.problem or "error"))
-            getattr(self, counter).labels(organization, result).inc()
+            self._child(getattr(self, counter), organization, result).inc()
+
+    def _child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        """metric.labels(*labels), found in a dict of our own: labels() takes a lock and checks
+        its arguments on every call. Holds what prometheus_client holds: one per series."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def sample_pool(self, pool: Pool) -> None:
         stats = pool.pop_stats()
@@ -279,10 +291,11 @@ class Observe:
                 path = getattr(scope.get("route"), "path", None)
                 self.metrics.answered(path, scope["method"], status, seconds, answered)
                 if path != "/metrics" and not (path in ("/healthz", "/readyz") and status == 200):
-                    logger.log(
+                    logs.line(
+                        logger,
                         logging.INFO if status < 500 else logging.WARNING if status != 500 else logging.ERROR,
                         "request",
-                        extra={
+                        {
                             "method": scope["method"][:16],
                             "path": _logged(scope["path"]),
                             "status": status,
