@@ -65,22 +65,37 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._begun = False  # the head being read has its first byte
         self._in_message = False  # between a request's first byte and its body's end
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0  # loop.time() when the timer fires
+        self._deadline: float | None = None  # when the current phase times out, if it can
         self._write_timer: asyncio.TimerHandle | None = None
         self._unsent = 0  # bytes buffered at the last look, while writing is paused
 
+    # The deadline moves on every phase of every request; the timer does not follow it. It fires
+    # when it was set to, and if the deadline has moved on meanwhile, it is set again for that:
+    # one timer per connection every ten seconds or so, not four per request (docs/performance.md).
     def _arm(self, seconds: float) -> None:
-        self._disarm()
-        self._timer = self.loop.call_later(seconds, self._timed_out)
+        self._deadline = self.loop.time() + seconds
+        if self._timer is None or self._timer_at > self._deadline:
+            self._set_timer()
 
-    def _disarm(self) -> None:
+    def _set_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-            self._timer = None
+        assert self._deadline is not None
+        self._timer_at = self._deadline
+        self._timer = self.loop.call_at(self._deadline, self._timed_out)
+
+    def _disarm(self) -> None:
+        self._deadline = None  # a timer still set finds nothing to do
 
     def _timed_out(self) -> None:
         self._timer = None
-        if self.transport.is_closing():
+        if self._deadline is None or self.transport.is_closing():
             return
+        if self.loop.time() < self._deadline:
+            self._set_timer()
+            return
+        self._deadline = None
         responding = self.cycle is not None and self.cycle.response_started
         if (self._begun or not self._reading_head) and not responding:
             self.transport.write(TOO_SLOW)
@@ -101,6 +116,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._stop_watching_writes()
         super().connection_lost(exc)
 
