@@ -141,6 +141,10 @@ class KeyRing:
         self.allow_anonymous = allow_anonymous
         self.listener: Listener | None = None  # set by the app; reloads us on every change
         self._keys: dict[str, StoredKey] = {}
+        # Keys whose hash matched a row of _keys, with their caller: a key sent again skips the
+        # hash while that row is still the one in _keys (a reload makes new rows). Only keys that
+        # matched are kept, so there are no more of them than rows.
+        self._verified: dict[str, tuple[StoredKey, Caller]] = {}
         self._used: set[str] = set()
         self._flusher: asyncio.Task[None] | None = None
 
@@ -153,6 +157,7 @@ class KeyRing:
         """Re-read every key, on the listener's own connection (the pool stays for requests)."""
         cursor = await conn.execute(queries.ALL_KEYS)
         self._keys = {row[0]: StoredKey(*row) for row in await cursor.fetchall()}
+        self._verified = {}
 
     async def authenticate(self, authorization: str | None) -> Caller:
         """The caller an Authorization header names; Unauthenticated if it names nobody."""
@@ -164,11 +169,17 @@ class KeyRing:
         if scheme.lower() != "bearer":
             raise Unauthenticated("Send the API key as Authorization: Bearer <key>.")
         key = key.strip()
-        stored = await self._find(key_id(key))
-        if stored is None or stored.revoked or not hmac.compare_digest(stored.key_hash, digest(key)):
-            raise Unauthenticated("The API key is unknown or revoked.")
-        self._used.add(stored.id)
-        return Caller(stored.id, stored.organization_id)
+        verified = self._verified.get(key) if self.current else None
+        if verified is None or self._keys.get(verified[0].id) is not verified[0]:
+            stored = await self._find(key_id(key))
+            if stored is None or stored.revoked or not hmac.compare_digest(stored.key_hash, digest(key)):
+                raise Unauthenticated("The API key is unknown or revoked.")
+            verified = (stored, Caller(stored.id, stored.organization_id))
+            if self.current and self._keys.get(stored.id) is stored:
+                self._verified[key] = verified
+        # else: checked against this very row of the cache before
+        self._used.add(verified[0].id)
+        return verified[1]
 
     async def _find(self, wanted: str | None) -> StoredKey | None:
         if wanted is None:
