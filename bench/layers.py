@@ -49,6 +49,7 @@ from bench.wrk import WrkResult, run_wrk
 from helix_locks import api, keys, telemetry
 from helix_locks.app import BodyLimit, create_app
 from helix_locks.db import Database
+from helix_locks.hot import HotRoutes
 from helix_locks.keys import Caller, KeyRing
 from helix_locks.migrate import migrate
 from helix_locks.schemas import GrantBody
@@ -92,7 +93,7 @@ def _without_key_check(app: FastAPI) -> None:
 
 
 async def without_deadline(db: Database, query: LiteralString, params: Mapping[str, Any]) -> list[DictRow]:
-    """Database.fetch_all with the statement in the caller's own task: no Task, shield or timeout."""
+    """Database.fetch_all with the statement in the caller's own task: no Task, no timer."""
     return await db._fetch_all(query, params)
 
 
@@ -134,7 +135,9 @@ VARIANTS: dict[str, tuple[str, Callable[[FastAPI], None]]] = {
     "request-id": ("without the request id only", _without_request_id),
     "body-limit": ("without the BodyLimit middleware", _without_middleware(BodyLimit)),
     "key-check": ("without the key check (a fixed caller)", _without_key_check),
-    "deadline": ("without the deadline Task + shield per statement", _without_deadline),
+    "deadline": ("without the deadline's Task and timer per statement", _without_deadline),
+    "hot-routes": ("without the hot routes' thin path (FastAPI's routing)", _without_middleware(HotRoutes)),
+    "edge": ("without the HTTP bounds of edge.py (uvicorn's own httptools protocol)", lambda app: None),
     "serialization": ("without model_dump_json (prebuilt bytes)", _without_serialization),
     "bare": ("the bare app (bench/bare.py): the floor", lambda app: None),
 }
@@ -157,6 +160,8 @@ def serve(argv: list[str]) -> int:
     run = uvicorn.run
 
     def run_without(app: Any, **kwargs: Any) -> None:
+        if os.environ.get(LAYER) == "edge":
+            kwargs["http"] = "httptools"  # uvicorn's own protocol, without edge.py's bounds
         run("bench.layers:app_without", **kwargs)
 
     uvicorn.run = run_without
