@@ -300,3 +300,37 @@ async def test_a_key_cannot_queue_in_another_organizations_wait(db_url: str, api
         assert not any(waiter.done() for waiter in waiters), [w.result().text for w in waiters if w.done()]
         for waiter in waiters:
             waiter.cancel()
+
+
+async def test_a_key_served_before_is_refused_once_revoked(
+    app_client: httpx.AsyncClient, api_keys: Keys, db_url: str
+) -> None:
+    """A key that was served (and so is remembered as checked) is refused as soon as its service
+    hears of the revocation; another organization's key goes on being served."""
+    key = keys.create(db_url, "acme")
+    body = {"organization_id": "acme", "job_type": "cached", "holder": "h", "ttl_seconds": 30}
+    for _ in range(100):  # the service hears of the new key (NOTIFY)
+        if (await app_client.get("/v1/locks", headers=bearer(key))).status_code == 200:
+            break
+        await anyio.sleep(0.02)
+
+    async def cycle() -> int:
+        """Acquire with the key (released at once, by the admin key, when granted); its status."""
+        granted = await app_client.post("/v1/locks", json=body, headers=bearer(key))
+        if granted.status_code == 201:
+            token = {**bearer(api_keys.admin), "Lock-Token": granted.json()["token"]}
+            released = await app_client.delete(f"/v1/locks/{granted.json()['id']}", headers=token)
+            assert released.status_code == 204
+        return granted.status_code
+
+    assert [await cycle() for _ in range(3)] == [201, 201, 201]
+    keys.revoke(db_url, keys.key_id(key) or "")
+    statuses = [await cycle()]
+    while statuses[-1] != 401 and len(statuses) < 100:
+        await anyio.sleep(0.02)
+        statuses.append(await cycle())
+    assert statuses[-1] == 401, statuses
+    for _ in range(3):
+        assert (await app_client.post("/v1/locks", json=body, headers=bearer(key))).status_code == 401
+    other = {**body, "organization_id": "globex"}
+    assert (await app_client.post("/v1/locks", json=other, headers=bearer(api_keys.other))).status_code == 201

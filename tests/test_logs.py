@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
+import logging.config
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 
-from helix_locks import keys
+from helix_locks import keys, logs
 from tests.support import logged_requests, running_service
 from tests.test_api import lock_body
 
@@ -111,3 +114,35 @@ def test_a_failure_is_logged_once_with_its_request_id_and_no_secret(
         ]
         assert "UndefinedTable" in json.dumps(logged[0]["exception"])
     assert not any("Exception in ASGI application" in line["event"] for line in lines)
+
+
+def test_the_request_line_is_what_the_standard_librarys_path_writes(tmp_path: Path) -> None:
+    """logs.line writes the request's line without a LogRecord: the same JSON, field for field and
+    in the same order, as logger.log through the configured handler; with any other handler set
+    up, it takes that path itself."""
+    stream = io.StringIO()
+    config = logs.config(logs.LogSettings(format="json"))
+    config["handlers"]["stderr"]["stream"] = stream
+    logger = logging.getLogger("helix_locks.requests")
+    fields = {"method": "POST", "path": "/v1/locks", "status": 201, "duration_ms": 1.5, "outcome": "granted"}
+    try:
+        logging.config.dictConfig(config)
+        with logs.request(request_id="r1"):
+            logs.bind(organization_id="acme", lock_id=7, holder="w\u00e9")
+            logs.line(logger, logging.INFO, "request", dict(fields))
+            logger.log(logging.INFO, "request", extra=dict(fields))
+            logs.line(logger, logging.ERROR, "request", {**fields, "status": 500})
+            logger.log(logging.ERROR, "request", extra={**fields, "status": 500})
+            logs.line(logger, logging.DEBUG, "request", dict(fields))  # below the level: nothing
+        fast, slow, fast_error, slow_error = (json.loads(line) for line in stream.getvalue().splitlines())
+        for one, other in ((fast, slow), (fast_error, slow_error)):
+            assert list(one) == list(other) and one.pop("time") <= other.pop("time") and one == other
+        assert fast["request_id"] == "r1" and fast["holder"] == "w\u00e9" and fast_error["level"] == "error"
+
+        # A second handler (a test's, say): the standard library's path, which reaches both.
+        second = io.StringIO()
+        logging.getLogger().addHandler(logging.StreamHandler(second))
+        logs.line(logger, logging.INFO, "request", dict(fields))
+        assert second.getvalue() == "request\n" and len(stream.getvalue().splitlines()) == 5
+    finally:
+        logging.config.dictConfig(logs.config())
