@@ -11,9 +11,11 @@ from typing import Any
 
 import httpx
 import psycopg
+import pytest
 
 from helix_locks import keys, logs
-from tests.support import logged_requests, running_service
+from helix_locks.app import create_app
+from tests.support import ROUTE, in_process, logged_requests, running_service
 from tests.test_api import lock_body
 
 
@@ -144,5 +146,30 @@ def test_the_request_line_is_what_the_standard_librarys_path_writes(tmp_path: Pa
         logging.getLogger().addHandler(logging.StreamHandler(second))
         logs.line(logger, logging.INFO, "request", dict(fields))
         assert second.getvalue() == "request\n" and len(stream.getvalue().splitlines()) == 5
+    finally:
+        logging.config.dictConfig(logs.config())
+
+
+class _Broken(io.StringIO):
+    """A stream whose reader is gone (a closed pipe)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.mark.anyio
+async def test_a_log_stream_that_fails_does_not_fail_the_request(db_url: str) -> None:
+    """Writing the line fails (the log shipper died, the disk is full): the handler reports it
+    its own way, as the standard library's path does, and the request is answered."""
+    config = logs.config(logs.LogSettings(format="json"))
+    config["handlers"]["stderr"]["stream"] = _Broken()
+    try:
+        logging.config.dictConfig(config)
+        app = create_app(ROUTE.settings(db_url, allow_anonymous=True))
+        async with in_process(app) as http:
+            granted = await http.post("/v1/locks", json=lock_body())
+            assert granted.status_code == 201, granted.text
+            token = {"Lock-Token": granted.json()["token"]}
+            assert (await http.delete(f"/v1/locks/{granted.json()['id']}", headers=token)).status_code == 204
     finally:
         logging.config.dictConfig(logs.config())

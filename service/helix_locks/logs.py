@@ -88,7 +88,8 @@ def line(logger: logging.Logger, level: int, event: str, fields: dict[str, Any])
 
     The standard library's path makes a LogRecord, and the ProcessorFormatter turns it back into
     a dict; here the dict is made at once, by the same processors and in the same order, and
-    written as the handler writes (under its lock, then flushed). Only when the JSON handler of
+    written as the handler writes (under its lock, then flushed; an error writing is the
+    handler's to report, as in its emit). Only when the JSON handler of
     the logging config is the only one; any other setup (text, a test's handler) goes the
     standard library's way."""
     if not logger.isEnabledFor(level):
@@ -106,9 +107,14 @@ def line(logger: logging.Logger, level: int, event: str, fields: dict[str, Any])
         event_dict.setdefault(name, value)
     rendered = _render_json(None, "", event_dict)
     assert isinstance(rendered, str), "json.dumps makes text"
-    with handler.lock or contextlib.nullcontext():
-        handler.stream.write(f"{rendered}{handler.terminator}")
-        handler.flush()
+    try:
+        with handler.lock or contextlib.nullcontext():
+            handler.stream.write(f"{rendered}{handler.terminator}")
+            handler.flush()
+    except RecursionError:
+        raise
+    except Exception:  # a closed pipe, a full disk: the handler's own way, and the request goes on
+        handler.handleError(logger.makeRecord(logger.name, level, "", 0, event, (), None))
 
 
 def _only_json_handler(logger: logging.Logger, level: int) -> logging.StreamHandler[Any] | None:
