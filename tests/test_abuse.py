@@ -125,6 +125,28 @@ def test_what_does_not_arrive_in_time_is_cut_off(
     assert 0.5 < waited < 5, f"{case}: closed after {waited:.1f} s (the deadline is 1 s)"
 
 
+def test_a_head_begun_after_an_answer_and_never_finished_gets_408_too(service: tuple[str, int, int]) -> None:
+    """On a keep-alive connection, the next request's head is timed from the last answer on, and
+    one that begins but never ends is told so (408), as on a fresh connection."""
+    _, port, _ = service
+    with connect(port) as sock:
+        for _ in range(3):  # the timer is set once and its deadline moves on with every request
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            sock.settimeout(5)
+            first = b""
+            while not first.endswith(b'{"status":"ok"}'):  # the head and the body may come apart
+                first += sock.recv(65536) or b"(closed)"
+            assert first.startswith(b"HTTP/1.1 200"), first
+            time.sleep(0.6)  # more than half the 1 s deadline, each time
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nX-A: 1")
+        started = time.monotonic()
+        got = answer(sock, within=10)
+        waited = time.monotonic() - started
+    assert got.startswith(b"HTTP/1.1 408"), got[:100]
+    # 1 s from the last answer, 0.6 s of which had passed before the head began.
+    assert 0.2 < waited < 4, f"closed after {waited:.1f} s (0.4 s were left)"
+
+
 def test_a_normal_client_is_served_beside_a_thousand_slow_connections(db_url: str, tmp_path: Path) -> None:
     """1,000 connections that send half a head and then nothing, for the whole of the default
     head deadline: a normal client beside them gets every answer, none slower than 1 s."""

@@ -96,7 +96,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._set_timer()
             return
         self._deadline = None
-        responding = self.cycle is not None and self.cycle.response_started
+        # The last request's cycle stays until the next one begins: it is answering only while
+        # its answer has begun and not ended.
+        cycle = self.cycle
+        responding = cycle is not None and cycle.response_started and not cycle.response_complete
         if (self._begun or not self._reading_head) and not responding:
             self.transport.write(TOO_SLOW)
         self.transport.close()
