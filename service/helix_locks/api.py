@@ -58,6 +58,7 @@ from helix_locks.telemetry import Metrics
 from helix_locks.waiting import Waiters
 
 BIGINT_MAX = 2**63 - 1
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,7 @@ async def acquire(
         str | None,
         Header(
             alias="Idempotency-Key",
-            pattern=r"^[\x21-\x7e]{1,255}$",
+            pattern=IDEMPOTENCY_KEY_PATTERN,
             description="Repeat an acquire with the same key while its lock is live, and get the same "
             "lock and token back (201), not 409: for retries after a lost answer. 1 to 255 visible "
             "ASCII characters; scoped to the organization and job type, ending with the lock.",

@@ -21,7 +21,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path
 
 from helix_locks import api, console, hot, problems, queries, telemetry
@@ -75,16 +75,9 @@ class BodyLimit:
         if too_large:
             await problems.from_error(BodyTooLarge(self.max_bytes))(scope, receive, send)
             return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+        await self.app(
+            scope, hot.replaying({"type": "http.request", "body": body, "more_body": False}, receive), send
+        )
 
 
 def _field(loc: tuple[int | str, ...], kind: str) -> str:

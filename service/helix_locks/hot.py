@@ -29,8 +29,9 @@ from helix_locks.errors import LockError
 from helix_locks.schemas import AcquireRequest, RenewRequest
 
 LOCKS = "/v1/locks"
-# api.acquire's Idempotency-Key header, as its Header(pattern=...) reads it.
-_IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
+# api.acquire's Idempotency-Key header, as its Header(pattern=...) reads it (fullmatch: pydantic's
+# $ is the end of the text, Python's also matches before a final newline).
+_IDEMPOTENCY_KEY = re.compile(api.IDEMPOTENCY_KEY_PATTERN)
 # A path parameter as Starlette reads one: anything but a slash, at least one character.
 _LOCK_ID = re.compile(r"[^/]+")
 
@@ -74,7 +75,7 @@ async def _acquire(request: Request, body: bytes, headers: Headers) -> Response 
     if parsed.wait_seconds > 0:
         return None  # a waiting acquire watches for the client's leaving: FastAPI's path
     idempotency_key = headers.get("idempotency-key")
-    if idempotency_key is not None and not _IDEMPOTENCY_KEY.match(idempotency_key):
+    if idempotency_key is not None and not _IDEMPOTENCY_KEY.fullmatch(idempotency_key):
         return None
     return await api.acquire(parsed, request, idempotency_key)
 
@@ -127,7 +128,7 @@ class HotRoutes:
         message = await receive()
         if message["type"] != "http.request" or message.get("more_body", False):
             # Gone, or a body in parts (BodyLimit hands over one whole): FastAPI reads it.
-            await self.app(scope, _replaying(message, receive), send)
+            await self.app(scope, replaying(message, receive), send)
             return
         body = message.get("body", b"")
         request = Request(scope, receive)
@@ -137,12 +138,13 @@ class HotRoutes:
         except LockError as exc:
             response = await self.on_error(request, exc)
         if response is None:
-            await self.app(scope, _replaying(message, receive), send)
+            await self.app(scope, replaying(message, receive), send)
             return
         await response(scope, receive, send)
 
 
-def _replaying(first: Message, receive: Receive) -> Receive:
+def replaying(first: Message, receive: Receive) -> Receive:
+    """`receive` that gives `first` once, then goes on with `receive` (a body read ahead of the app)."""
     replayed = False
 
     async def replay() -> Message:
