@@ -141,10 +141,10 @@ class KeyRing:
         self.allow_anonymous = allow_anonymous
         self.listener: Listener | None = None  # set by the app; reloads us on every change
         self._keys: dict[str, StoredKey] = {}
-        # Keys whose hash matched a row of _keys, with their caller: a key sent again skips the
-        # hash while that row is still the one in _keys (a reload makes new rows). Only keys that
-        # matched are kept, so there are no more of them than rows.
-        self._verified: dict[str, tuple[StoredKey, Caller]] = {}
+        # Keys whose hash matched a row of _keys: a key sent again skips the hash while that row
+        # is still the one in _keys (a reload makes new rows). Only keys that matched are kept, so
+        # there are no more of them than rows.
+        self._verified: dict[str, StoredKey] = {}
         self._used: set[str] = set()
         self._flusher: asyncio.Task[None] | None = None
 
@@ -169,17 +169,15 @@ class KeyRing:
         if scheme.lower() != "bearer":
             raise Unauthenticated("Send the API key as Authorization: Bearer <key>.")
         key = key.strip()
-        verified = self._verified.get(key) if self.current else None
-        if verified is None or self._keys.get(verified[0].id) is not verified[0]:
+        stored = self._verified.get(key) if self.current else None
+        if stored is None or self._keys.get(stored.id) is not stored:  # else: this very row matched before
             stored = await self._find(key_id(key))
             if stored is None or stored.revoked or not hmac.compare_digest(stored.key_hash, digest(key)):
                 raise Unauthenticated("The API key is unknown or revoked.")
-            verified = (stored, Caller(stored.id, stored.organization_id))
             if self.current and self._keys.get(stored.id) is stored:
-                self._verified[key] = verified
-        # else: checked against this very row of the cache before
-        self._used.add(verified[0].id)
-        return verified[1]
+                self._verified[key] = stored
+        self._used.add(stored.id)
+        return Caller(stored.id, stored.organization_id)
 
     async def _find(self, wanted: str | None) -> StoredKey | None:
         if wanted is None:
