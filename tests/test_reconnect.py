@@ -103,14 +103,22 @@ class Service:
         self.watch = watch
         self.held = held
         self.waiting: dict[Key, asyncio.Task[httpx.Response]] = {}
+        # Of semaphores: the locks in their other slots, with longer leases than those in `held`.
+        self.others: list[dict[Key, tuple[int, str]]] = []
 
-    async def disconnected(self, release: list[Key], replace: list[Key] | None = None) -> None:
-        """End the listener's connection; while it is away, release the locks of `release` (and
-        grant those of `replace` anew); return once it has reconnected."""
+    async def disconnected(
+        self,
+        release: list[Key],
+        replace: list[Key] | None = None,
+        held: dict[Key, tuple[int, str]] | None = None,
+    ) -> None:
+        """End the listener's connection; while it is away, release the locks of `release` (those
+        in `held`, by default the ones the waiters sleep on; and grant those of `replace` anew);
+        return once it has reconnected."""
         connects = len(self.watch.listeners)
         row = self.conn.execute("SELECT pg_terminate_backend(%s)", (self.watch.listeners[-1],)).fetchone()
         assert row == (True,)
-        locks = [self.held.pop(key) for key in release]
+        locks = [(self.held if held is None else held).pop(key) for key in release]
         released = self.conn.execute(
             "SELECT count(r.id) FROM unnest(%s::bigint[], %s::text[]) AS k (id, token)"
             " CROSS JOIN LATERAL helix_release_job_lock(k.id, k.token, NULL) AS r",
@@ -125,31 +133,38 @@ class Service:
 
 
 def hold(
-    conn: Conn, keys: list[Key], holder: str = "holder", ttl_ms: int = HOLDER_TTL_MS
+    conn: Conn, keys: list[Key], holder: str = "holder", ttl_ms: int = HOLDER_TTL_MS, max_holders: int = 1
 ) -> dict[Key, tuple[int, str]]:
-    """Grant each key's lock in the database: its id and token, by key."""
+    """Grant each key's lock (a slot of it) in the database: its id and token, by key."""
     rows = conn.execute(
         "SELECT k.organization_id, k.job_type, l.id, l.token"
         " FROM unnest(%s::text[], %s::text[]) AS k (organization_id, job_type)"
-        " CROSS JOIN LATERAL helix_acquire_job_lock(k.organization_id, k.job_type, %s, %s, NULL, NULL) AS l",
-        ([key[0] for key in keys], [key[1] for key in keys], holder, ttl_ms),
+        " CROSS JOIN LATERAL"
+        " helix_acquire_job_lock(k.organization_id, k.job_type, %s, %s, NULL, NULL, %s) AS l",
+        ([key[0] for key in keys], [key[1] for key in keys], holder, ttl_ms, max_holders),
     ).fetchall()
     return {(row[0], row[1]): (row[2], row[3]) for row in rows}
 
 
 @asynccontextmanager
 async def serving(
-    db_url: str, conn: Conn, monkeypatch: pytest.MonkeyPatch, keys: list[Key]
+    db_url: str, conn: Conn, monkeypatch: pytest.MonkeyPatch, keys: list[Key], max_holders: int = 1
 ) -> AsyncIterator[Service]:
+    """Every slot of each key held; the waiters sleep on the locks in `service.held`, which run
+    out first."""
     watch = Watch(monkeypatch)
     monkeypatch.setattr(listener, "RECONNECT_SECONDS", RECONNECT_SECONDS)
-    service = Service(conn, watch, hold(conn, keys))
+    service = Service(conn, watch, hold(conn, keys, max_holders=max_holders))
+    service.others = [
+        hold(conn, keys, "other", 2 * HOLDER_TTL_MS, max_holders) for _ in range(max_holders - 1)
+    ]
     app = create_app(ROUTE.settings(db_url, allow_anonymous=True))
     async with in_process(app, timeout=WAIT_SECONDS + 30) as client:
         await until(lambda: len(watch.listeners) == 1, "the listener connected")
 
         async def wait_for(key: Key) -> httpx.Response:
             lock = {"organization_id": key[0], "job_type": key[1], "holder": "waiter", "ttl_seconds": 30}
+            lock["max_holders"] = max_holders
             return await client.post("/v1/locks", json={**lock, "wait_seconds": WAIT_SECONDS})
 
         service.waiting = {key: asyncio.create_task(wait_for(key)) for key in keys}
@@ -211,6 +226,26 @@ async def test_a_waiter_whose_holder_changed_meanwhile_sleeps_on_the_new_one(
         assert not service.waiting[kept].done()
 
 
+async def test_a_semaphore_waiter_wakes_when_another_slot_ended_meanwhile(
+    db_url: str, conn: Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused by both holders of a semaphore of 2, the waiter sleeps until the first lease runs
+    out; the lock in the other slot, released while the listener was away, wakes it at the
+    reconnect (its own lock is still held), and the waiter of a key that stayed full sleeps on."""
+    ended, full = ("acme", "exports"), ("acme", "reports")
+    async with serving(db_url, conn, monkeypatch, [ended, full], max_holders=2) as service:
+        other = service.others[0][ended][0]
+        [(slot,)] = conn.execute("SELECT slot FROM helix_job_locks WHERE id = %s", (other,)).fetchall()
+        before = service.watch.attempts.copy()
+        await service.disconnected(release=[ended], held=service.others[0])
+        [granted] = await answered([service.waiting[ended]])
+        assert granted.status_code == 201, granted.text
+        assert granted.json()["slot"] == slot and granted.json()["reclaimed"] is None
+        await asyncio.sleep(1)  # room for the other waiter to try, were it woken
+        assert service.watch.attempts - before == Counter({ended: 1})
+        assert not service.waiting[full].done()
+
+
 async def test_when_the_keys_cannot_be_checked_every_waiter_wakes(
     db_url: str, conn: Conn, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -241,6 +276,10 @@ def test_the_check_reads_only_the_live_lock_index(conn: Conn) -> None:
         " FROM generate_series(1, 50000) AS g"
     )
     conn.execute("ANALYZE helix_job_locks")
+    # Five semaphores of 3, every slot held; then semaphore 1's third lock ends.
+    semaphores = [("org-0", f"sem-{n}") for n in range(5)]
+    first, _, third = (hold(conn, semaphores, max_holders=3) for _ in range(3))
+    conn.execute("SELECT helix_release_job_lock(%s, %s, NULL)", third[semaphores[1]])
     unknown, ended = KEYS[:5], KEYS[5:10]
     conn.execute(
         "SELECT helix_release_job_lock(k.id, k.token, NULL)"
@@ -248,25 +287,31 @@ def test_the_check_reads_only_the_live_lock_index(conn: Conn) -> None:
         ([held[key][0] for key in ended], [held[key][1] for key in ended]),
     )
     params = {
-        "organization_ids": [key[0] for key in KEYS],
-        "job_types": [key[1] for key in KEYS],
-        "lock_ids": [None if key in unknown else held[key][0] for key in KEYS],
+        "organization_ids": [key[0] for key in KEYS + semaphores],
+        "job_types": [key[1] for key in KEYS + semaphores],
+        # Each semaphore's waiter sleeps on its first lock; 2 on a lock that is not one of its,
+        # 4 on none.
+        "lock_ids": [None if key in unknown else held[key][0] for key in KEYS]
+        + [first[key][0] for key in semaphores[:2]]
+        + [-1, first[semaphores[3]][0], None],
+        "holders": [1] * len(KEYS) + [3] * 5,
     }
     missed = conn.execute(queries.MISSED_RELEASES, params).fetchall()
-    assert sorted(missed) == sorted(unknown + ended)
+    # Semaphores 0 and 3 are whole; 1 lost a slot (its lock slept on is still held).
+    assert sorted(missed) == sorted(unknown + ended + semaphores[1:3] + semaphores[4:])
 
     names = list(params)
     body = re.sub(r"%\((\w+)\)s", lambda match: f"${names.index(match[1]) + 1}", queries.MISSED_RELEASES)
-    conn.execute(f"PREPARE missed (text[], text[], bigint[]) AS {body}")
+    conn.execute(f"PREPARE missed (text[], text[], bigint[], integer[]) AS {body}")
     explaining = psycopg.ClientCursor(conn)
     for mode in PLAN_MODES:
         conn.execute(sql.SQL("SET plan_cache_mode = {}").format(sql.Literal(mode)))
         row = explaining.execute(
-            "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE missed (%s, %s, %s)", [params[name] for name in names]
+            "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE missed (%s, %s, %s, %s)", [params[name] for name in names]
         ).fetchone()
         assert row is not None
         plan = list(nodes(row[0][0]["Plan"]))
-        assert plan[0]["Actual Rows"] == len(unknown + ended), mode
+        assert plan[0]["Actual Rows"] == len(missed), mode
         assert not [node for node in plan if "Seq Scan" in node["Node Type"]], (mode, plan)
         indexes = {node["Index Name"] for node in plan if "Index Name" in node}
         assert indexes == {"helix_job_locks_one_live"}, (mode, indexes)

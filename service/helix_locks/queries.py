@@ -96,20 +96,27 @@ WAIT_FOR_RELEASE = "SELECT helix_wait_for_release(%(organization_id)s, %(job_typ
 STOP_WAITING = "SELECT helix_stop_waiting(%(id)s) AS id"
 
 # After the listener reconnects (waiting.py): releases announced while it was away were lost.
-# Of the keys this process waits for, each with the lock its first waiter sleeps on (NULL: none),
-# those whose live lock is not that one: released, replaced or unknown. One statement for every
-# key, each looked up on the live-lock index (or the index's live rows hashed once): never the
-# history's rows.
+# Of the keys this process waits for, each with the lock its first waiter sleeps on (NULL: none)
+# and how many held the key's slots then, those whose live lock is not that one (released,
+# replaced or unknown), or, of a semaphore, that has fewer unreleased locks than that (another
+# slot ended). One statement for every key, each looked up on the live-lock index (or the index's
+# live rows hashed once): never the history's rows.
 MISSED_RELEASES = """
 SELECT k.organization_id, k.job_type
-FROM unnest(%(organization_ids)s::text[], %(job_types)s::text[], %(lock_ids)s::bigint[])
-    AS k (organization_id, job_type, lock_id)
+FROM unnest(
+    %(organization_ids)s::text[], %(job_types)s::text[], %(lock_ids)s::bigint[], %(holders)s::integer[]
+) AS k (organization_id, job_type, lock_id, holders)
 WHERE NOT EXISTS (
     SELECT FROM helix_job_locks AS l
     WHERE l.organization_id = k.organization_id
       AND l.job_type = k.job_type
       AND l.released_at IS NULL
       AND l.id = k.lock_id
+) OR k.holders > 1 AND k.holders > (
+    SELECT count(*) FROM helix_job_locks AS l
+    WHERE l.organization_id = k.organization_id
+      AND l.job_type = k.job_type
+      AND l.released_at IS NULL
 )
 """
 

@@ -9,8 +9,9 @@ lock, which is fair). Across replicas the order is best effort: whoever retries 
 
 Releases announced while the listener was disconnected are lost. After it reconnects, one
 statement on its connection finds the keys whose lock is no longer the one their first waiter
-sleeps on, and only those wake, spread over a moment: the others sleep on until their holder's
-release is announced or its lease runs out, as before the disconnect.
+sleeps on (of a semaphore: or that has fewer unreleased locks than the holders that refused it),
+and only those wake, spread over a moment: the others sleep on until a release is announced or
+the lease slept on runs out, as before the disconnect.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class _Queue:
         self.waiters = 0
         # The lock whose end the head sleeps until; None while it is not asleep on one.
         self.sleeping_on: int | None = None
+        # How many held the key's slots when it was refused (a semaphore's: max_holders).
+        self.holders = 0
 
 
 class Waiters:
@@ -79,7 +82,9 @@ class Waiters:
 
     async def _reconnected(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Wake the head of each key whose lock is not the one it sleeps on (that lock ended
-        while nobody listened), or that is not asleep on one; not every head at once.
+        while nobody listened), or that is not asleep on one, or (a semaphore) whose unreleased
+        locks are fewer than the holders that refused it (another slot ended); not every head at
+        once.
 
         The listener runs this after LISTEN: a release committed before the statement's snapshot
         is seen by it, any later one is announced. A head left asleep still wakes at its timer,
@@ -93,6 +98,7 @@ class Waiters:
             "organization_ids": [key[0] for key, _ in queues],
             "job_types": [key[1] for key, _ in queues],
             "lock_ids": [queue.sleeping_on for _, queue in queues],
+            "holders": [queue.holders for _, queue in queues],
         }
         try:
             cursor = await conn.execute(queries.MISSED_RELEASES, params)
@@ -200,14 +206,14 @@ class Waiters:
                 # Until the holder's lease runs out; None: it just ended, so try again now.
                 expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
                 timer = 0.0 if expiry is None else min(left, expiry / 1000 + EXPIRY_SLACK_SECONDS)
-                queue.sleeping_on = held.lock_id
+                queue.sleeping_on, queue.holders = held.lock_id, len(held.holders)
                 try:
                     await self._until(queue.wake.wait(), loop.time() + timer, gone)
                 except TimeoutError:
                     if loop.time() >= deadline:
                         raise held from None  # the wait ran out: 409 with the latest holder
                 finally:
-                    queue.sleeping_on = None
+                    queue.sleeping_on, queue.holders = None, 0
 
     async def _last_try(
         self,
