@@ -20,12 +20,14 @@ import pytest
 from helix_locks import keys
 from helix_locks.migrate import migrate
 from tests.history import check, database_history
-from tests.load import Load, Run
+from tests.load import KEYS, Load, Run
 from tests.patroni_cluster import Cluster, patroni_cluster
 from tests.support import running_service
 
 # A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
 pytestmark = pytest.mark.fault
+
+SEMAPHORE = ("acme", "exports")
 
 MISSING = [tool for tool in ("patroni", "etcd") if shutil.which(tool) is None]
 if MISSING and not os.environ.get("CI"):
@@ -59,7 +61,9 @@ def test_no_overlap_and_no_lost_grant_through_failover_and_switchover(
         body = {"organization_id": "acme", "job_type": "long-job", "holder": "survivor", "ttl_seconds": 600}
         survivor = http.post("/v1/locks", json=body).json()
 
-        with Load([url], clients=8, ttl=1.0, api_key=admin) as load:
+        # The racing clients' keys: locks, and a semaphore of 3.
+        raced = {**dict.fromkeys(KEYS, 1), SEMAPHORE: 3}
+        with Load([url], clients=8, ttl=1.0, api_key=admin, keys=raced) as load:
             time.sleep(3)
             old = cluster.kill_leader()
             killed_at = time.monotonic()  # its Patroni and PostgreSQL are dead
@@ -85,10 +89,11 @@ def test_no_overlap_and_no_lost_grant_through_failover_and_switchover(
         assert server.poll() is None, "the same service process all along"
 
     print_figures(run, failover_gap, switchover_gap)
-    violations = check(
-        database_history(cluster.url), run.told, run.renewed, run.released, run.release_attempts
-    )
+    grants = database_history(cluster.url)
+    violations = check(grants, run.told, run.renewed, run.released, run.release_attempts)
     assert violations == [], "\n".join(violations[:20])
+    assert {g.max_holders for g in grants if g.key == SEMAPHORE} == {3}
+    assert len({g.slot for g in grants if g.key == SEMAPHORE}) > 1, "the semaphore had several holders"
     assert run.errors() == {}, "only 503 while the database was away: never a 500"
     assert run.slowest < 10, f"a request took {run.slowest:.1f} s: nothing may hang"
     # The gaps were real and answered 503, every answer came back, and the gaps were bounded.
