@@ -53,10 +53,15 @@ def _xmax(snapshot: str) -> int:
     return int(found.group(2))
 
 
+def _in_order(lock_id: int, at: datetime, rank: int) -> tuple[datetime, int, int]:
+    """An event's place as a window is sorted (queries.EVENTS): by time, lock id, kind."""
+    return at, lock_id, rank
+
+
 @dataclass(frozen=True)
 class Position:
     """What an event id says: the window (after, until] it was read in, the window's times, and
-    the event's place in it (lock id, time, kind)."""
+    the event's place in it (lock id, time, kind; a window is sent by time, lock id and kind)."""
 
     after: str
     after_at: datetime
@@ -359,7 +364,9 @@ class EventHub:
         replayed = [
             _event(row, window)
             for row in found
-            if not (row["seen"] and (row["id"], utc(row["at"]), row["rank"]) <= resume.place)
+            if not (
+                row["seen"] and _in_order(row["id"], utc(row["at"]), row["rank"]) <= _in_order(*resume.place)
+            )
         ]
         self._send(watcher, replayed, joining=True)
         watcher.bridge = (until, until_at)

@@ -347,5 +347,10 @@ LEFT JOIN LATERAL (
 -- A lock's max_holders and slot never change (migration 0017): any version of its row says them;
 -- forced_by is set once, with release_reason 'forced'.
 LEFT JOIN helix_job_locks AS k ON k.id = e.id
-ORDER BY a.n, e.id, e.at, e.rank
+-- By time, then lock id and kind: a key's events in commit order. A grant reads the clock only
+-- once every earlier change of the key's live locks has committed (0017 waits for their row
+-- locks), and a lock's own changes are serialised by its row lock; changes of two slots that wait
+-- for nothing of each other come in the order of their clocks. (Sorted by lock id, as 0016 has
+-- it, a semaphore's overlapping slots came one lock after the other.)
+ORDER BY a.n, e.at, e.id, e.rank
 """
