@@ -318,7 +318,7 @@ def test_a_replica_of_the_previous_build_keeps_working_through_the_migration(
         previous.execute(PREVIOUS_RENEW, {**holder, "ttl_ms": 30_000}).fetchone()
         previous.execute(PREVIOUS_CURRENT, {"organization_id": "acme", "job_type": "report"}).fetchone()
 
-        assert migrate.migrate(empty_db_url) == ["0017_semaphores.sql"]
+        assert migrate.migrate(empty_db_url) == [m.name for m in every[before:]]
 
         # The same prepared statements go on working on the migrated schema.
         renewed = previous.execute(PREVIOUS_RENEW, {**holder, "ttl_ms": 30_000}).fetchone()

@@ -46,3 +46,21 @@ async def test_a_resumed_stream_gives_a_semaphores_events_in_commit_order(
                 replayed = await resumed.until(4, within=10)
     order = [(e.type, e.data["lock"]["holder"]) for e in replayed[:4]]
     assert order == [("acquired", "A"), ("acquired", "B"), ("released", "B"), ("released", "A")], order
+
+
+async def test_an_idempotent_repeat_of_a_semaphore_grant_is_answered_at_the_quota(db_url: str) -> None:
+    """API.md: a repeat with the same Idempotency-Key while the lock is live "answers exactly as
+    the first time (201, the same lock and token)"; docs/api.md: an acquire that can add no live
+    lock (a replay) still goes on at the quota. A plain lock's repeat does; a semaphore's, whose
+    key has a free slot, is refused 429 quota-exceeded, so the worker whose answer was lost
+    cannot learn the token of the lock it holds."""
+    app = create_app(ROUTE.settings(db_url, allow_anonymous=True, max_live_locks_per_organization=2))
+    async with in_process(app) as client:
+        body = lock_body(holder="w1", max_holders=3)
+        retry = {"Idempotency-Key": "lost-answer-1"}
+        first = await client.post("/v1/locks", json=body, headers=retry)
+        assert first.status_code == 201, first.text
+        await acquire(client, holder="w2", max_holders=3)  # the organization's quota is reached
+        again = await client.post("/v1/locks", json=body, headers=retry)
+        assert again.status_code == 201, again.text
+        assert again.json()["id"] == first.json()["id"] and again.json()["token"] == first.json()["token"]

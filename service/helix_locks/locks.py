@@ -143,6 +143,11 @@ def storable_text(value: str) -> bool:
     return True
 
 
+# An acquire's statement parameters (queries.ACQUIRE): the quota reads the organization, and
+# asks with them whether the acquire would add a live lock.
+Acquiring = dict[str, Any]
+
+
 @dataclass
 class _Count:
     """One organization's live locks, as this process knows them."""
@@ -194,14 +199,13 @@ class LiveLockQuota:
         self._counts: dict[str, _Count] = {}
         self._gates: dict[str, tuple[asyncio.Lock, int]] = {}  # and how many use it
 
-    async def admit(
-        self, organization_id: str, job_type: str, max_holders: int = 1, *, waiting: bool = False
-    ) -> bool:
+    async def admit(self, acquiring: Acquiring, *, waiting: bool = False) -> bool:
         """True if the acquire may go by the count (room reserved: settle it with `settled`);
         False if it must go the exact way. QuotaExceeded if the database refused this
         organization an acquire a moment ago and this one could add a live lock."""
+        organization_id = acquiring["organization_id"]
         if self._full(organization_id, waiting):
-            await self.refuse_if_it_adds(organization_id, job_type, max_holders)
+            await self.refuse_if_it_adds(acquiring)
             return False
         now = time.monotonic()
         count = self._counts.get(organization_id)
@@ -226,29 +230,25 @@ class LiveLockQuota:
         count = self._counts.get(organization_id)
         return count is not None and time.monotonic() < count.full_until and not waiting
 
-    async def refuse_if_it_adds(self, organization_id: str, job_type: str, max_holders: int) -> None:
-        """QuotaExceeded unless an acquire of the key would add no live lock."""
-        row = await self.db.fetch_first(
-            queries.ADDS_NO_LIVE_LOCK,
-            {"organization_id": organization_id, "job_type": job_type, "max_holders": max_holders},
-        )
+    async def refuse_if_it_adds(self, acquiring: Acquiring) -> None:
+        """QuotaExceeded unless the acquire would add no live lock."""
+        row = await self.db.fetch_first(queries.ADDS_NO_LIVE_LOCK, acquiring)
         if not row["adds_none"]:
             raise QuotaExceeded(self.limit)
 
     @asynccontextmanager
-    async def exactly(
-        self, organization_id: str, job_type: str, max_holders: int, *, waiting: bool
-    ) -> AsyncIterator[None]:
+    async def exactly(self, acquiring: Acquiring, *, waiting: bool) -> AsyncIterator[None]:
         """Around an acquire the exact way: one at a time per organization in this process, so
         that those waiting for their turn hold no pooled connection (a burst at one
         organization's quota must not take the pool from the others), and each one whose turn
         comes after a refusal is refused without counting again."""
+        organization_id = acquiring["organization_id"]
         gate, users = self._gates.get(organization_id, (asyncio.Lock(), 0))
         self._gates[organization_id] = (gate, users + 1)
         try:
             async with gate:
                 if self._full(organization_id, waiting):
-                    await self.refuse_if_it_adds(organization_id, job_type, max_holders)
+                    await self.refuse_if_it_adds(acquiring)
                 yield
         finally:
             gate, users = self._gates[organization_id]
@@ -312,8 +312,7 @@ class Locks:
         key, while the lock it got is live, answers that same grant. `waiting`: an attempt of a
         waiting acquire, woken by a release (no refusal for the quota on what was known before it)."""
         caller.may_act_in(organization_id)
-        reserved = await self.quota.admit(organization_id, job_type, max_holders, waiting=waiting)
-        params: dict[str, Any] = {
+        params: Acquiring = {
             "organization_id": organization_id,
             "job_type": job_type,
             "holder": holder,
@@ -322,13 +321,14 @@ class Locks:
             "idempotency_key": idempotency_key,
             "max_holders": max_holders,
         }
+        reserved = await self.quota.admit(params, waiting=waiting)
         added = False
         try:
             if reserved:
                 row = await self.db.fetch_first(queries.ACQUIRE, params)
             else:  # near the quota: counted and granted under the organization's advisory lock
                 params["quota"] = self.quota.limit
-                async with self.quota.exactly(organization_id, job_type, max_holders, waiting=waiting):
+                async with self.quota.exactly(params, waiting=waiting):
                     row = await self.db.fetch_first(queries.ACQUIRE_WITHIN_QUOTA, params)
             # A grant that reclaimed adds no live lock; a replay is counted once more, until
             # the next count.

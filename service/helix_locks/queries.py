@@ -153,13 +153,17 @@ FROM helix_acquire_job_lock_within_quota(
 
 # The live-lock quota (locks.py): an organization's live locks, counted on the live-lock
 # index, and whether an acquire of one key would add none: every slot has a live lock (the
-# acquire reclaims one, or is refused), or one of another max_holders does (migration 0017).
+# acquire reclaims one, or is refused), or one of another max_holders does (migration 0017), or
+# it repeats a grant still live (migration 0018).
 COUNT_LIVE_IN_ORGANIZATION = """
 SELECT count(*) AS live
 FROM helix_job_locks WHERE organization_id = %(organization_id)s AND released_at IS NULL
 """
 ADDS_NO_LIVE_LOCK = """
-SELECT count(*) >= %(max_holders)s OR coalesce(bool_or(max_holders <> %(max_holders)s), false) AS adds_none
+SELECT count(*) >= %(max_holders)s
+       OR coalesce(bool_or(max_holders <> %(max_holders)s
+                           OR idempotency_key = %(idempotency_key)s AND holder = %(holder)s
+                              AND expires_at > clock_timestamp()), false) AS adds_none
 FROM helix_job_locks
 WHERE organization_id = %(organization_id)s AND job_type = %(job_type)s AND released_at IS NULL
 """
