@@ -48,6 +48,30 @@ async def test_a_resumed_stream_gives_a_semaphores_events_in_commit_order(
     assert order == [("acquired", "A"), ("acquired", "B"), ("released", "B"), ("released", "A")], order
 
 
+async def test_a_mismatched_max_holders_is_refused_at_once_even_behind_another_waiter(
+    client: httpx.AsyncClient,
+) -> None:
+    """docs/api.md: an acquire naming another max_holders while any is held "gets 409
+    max-holders-mismatch at once, even with wait_seconds". Queued behind a waiter of the same key
+    in the same process, it waits for that waiter's turn, up to its whole wait_seconds, instead."""
+    grants = [await acquire(client, holder=f"w{n}", max_holders=2, ttl_seconds=120) for n in range(2)]
+    first = asyncio.create_task(
+        client.post("/v1/locks", json=lock_body(holder="waiter", max_holders=2, wait_seconds=30))
+    )
+    await asyncio.sleep(0.5)
+    assert not first.done()
+    started = time.monotonic()
+    mismatched = await client.post("/v1/locks", json=lock_body(holder="other", max_holders=3, wait_seconds=8))
+    took = time.monotonic() - started
+    try:
+        assert assert_problem(mismatched, 409)["type"].endswith("max-holders-mismatch")
+        assert took < 3, f"answered after {took:.1f} s, not at once"
+    finally:
+        done = await client.delete(f"/v1/locks/{grants[0]['id']}", headers={"Lock-Token": grants[0]["token"]})
+        assert done.status_code == 204
+        assert (await asyncio.wait_for(first, 20)).status_code == 201
+
+
 async def test_an_idempotent_repeat_of_a_semaphore_grant_is_answered_at_the_quota(db_url: str) -> None:
     """API.md: a repeat with the same Idempotency-Key while the lock is live "answers exactly as
     the first time (201, the same lock and token)"; docs/api.md: an acquire that can add no live
@@ -64,3 +88,29 @@ async def test_an_idempotent_repeat_of_a_semaphore_grant_is_answered_at_the_quot
         again = await client.post("/v1/locks", json=body, headers=retry)
         assert again.status_code == 201, again.text
         assert again.json()["id"] == first.json()["id"] and again.json()["token"] == first.json()["token"]
+
+
+async def test_a_waiter_is_woken_when_another_slots_lease_runs_out(client: httpx.AsyncClient) -> None:
+    """API.md: a waiter "is granted as soon as the holder releases it or its lease expires", and
+    "a lease's own expiry time wakes them too". The waiter sleeps until the lease that ran out
+    first when it was refused; the holder of the other slot then renews for 1 s, its lease runs
+    out, and nothing wakes the waiter: 409 when its wait ends, with a slot free to reclaim.
+    (A plain lock whose holder renews for less after the waiter fell asleep shows it too.)"""
+    grants = [await acquire(client, holder=f"w{n}", max_holders=2, ttl_seconds=60 + 30 * n) for n in range(2)]
+    waiter = asyncio.create_task(
+        client.post("/v1/locks", json=lock_body(holder="waiter", max_holders=2, wait_seconds=10))
+    )
+    await asyncio.sleep(1)
+    assert not waiter.done()
+    shortened = await client.post(
+        f"/v1/locks/{grants[1]['id']}/renew",
+        json={"ttl_seconds": 1},
+        headers={"Lock-Token": grants[1]["token"]},
+    )
+    assert shortened.status_code == 200, shortened.text
+    renewed_at = time.monotonic()
+    response = await asyncio.wait_for(waiter, 20)
+    assert response.status_code == 201, response.text
+    granted: dict[str, Any] = response.json()
+    assert granted["slot"] == 1 and granted["reclaimed"]["lock_id"] == grants[1]["id"]
+    assert time.monotonic() - renewed_at < 4

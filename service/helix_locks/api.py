@@ -314,6 +314,7 @@ async def _wait_for(
             # Registered for as long as this request may wait, and a margin: it is deleted
             # when the wait ends, and expires in case this process dies first.
             lambda: locks.announcing(body.organization_id, body.job_type, body.wait_seconds + 60),
+            body.max_holders,
         )
     finally:
         watcher.cancel()

@@ -56,6 +56,8 @@ class _Queue:
         self.sleeping_on: int | None = None
         # How many held the key's slots when it was refused (a semaphore's: max_holders).
         self.holders = 0
+        # The max_holders the key was last found held with (None: not known).
+        self.held_with: int | None = None
 
 
 class Waiters:
@@ -131,12 +133,15 @@ class Waiters:
         release: Callable[[Grant], Awaitable[None]],
         gone: asyncio.Future[None],
         announced: Callable[[], AbstractAsyncContextManager[None]],
+        max_holders: int = 1,
     ) -> Grant:
         """attempt() until it grants, for up to wait_seconds; LockHeld when the time is up.
 
         `gone` is done when the client went away: then a grant that came anyway is released at
         once, through `release`, and WaitInterrupted is raised. Inside `announced()` the end of
-        the key's lock is announced, which releases are not otherwise.
+        the key's lock is announced, which releases are not otherwise. An acquire naming another
+        max_holders than the key was found held with attempts at once, rather than queueing
+        behind the waiters of that value: MaxHoldersMismatch is never waited for.
         """
         organization = key[0]
         if self._by_organization[organization] >= self.per_organization:
@@ -150,6 +155,9 @@ class Waiters:
         self._by_organization[organization] += 1
         queue.waiters += 1
         try:
+            if queue.held_with not in (None, max_holders):
+                with contextlib.suppress(LockHeld):  # held with this value after all: queue
+                    return await self._granted(await attempt(), release, gone)
             # If this request is cancelled just as its turn comes, the turn is handed on.
             await self._until(queue.turn.acquire(), deadline, gone, on_abandon=queue.turn.release)
             try:
@@ -190,6 +198,7 @@ class Waiters:
             try:
                 return await self._granted(await attempt(), release, gone)
             except LockHeld as held:
+                queue.held_with = held.max_holders
                 if self.closing:
                     raise WaitInterrupted("the service is stopping") from held
                 left = deadline - loop.time()
@@ -208,10 +217,10 @@ class Waiters:
                 timer = 0.0 if expiry is None else min(left, expiry / 1000 + EXPIRY_SLACK_SECONDS)
                 queue.sleeping_on, queue.holders = held.lock_id, len(held.holders)
                 try:
-                    await self._until(queue.wake.wait(), loop.time() + timer, gone)
-                except TimeoutError:
-                    if loop.time() >= deadline:
-                        raise held from None  # the wait ran out: 409 with the latest holder
+                    # At the timer (the lease slept on ran out, or the wait did), one more attempt:
+                    # a grant, or a 409 with the holders as they are now.
+                    with contextlib.suppress(TimeoutError):
+                        await self._until(queue.wake.wait(), loop.time() + timer, gone)
                 finally:
                     queue.sleeping_on, queue.holders = None, 0
 
