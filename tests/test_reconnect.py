@@ -31,8 +31,8 @@ Key = tuple[str, str]
 
 # 1,000 keys in 10 organizations (an organization may have 1,000 waiters in one process).
 KEYS = [(f"org-{n % 10}", f"job-{n}") for n in range(1000)]
-# Every waiter's timer is at the end of its wait, not at its holder's expiry; a wait that runs
-# out is answered 409 without another attempt: a 201 comes only from a waiter woken.
+# Every waiter's timer is at the end of its wait, not at its holder's expiry (its last attempt
+# comes WAIT_SECONDS in, after every check here): a 201 comes only from a waiter woken.
 HOLDER_TTL_MS = 600_000
 WAIT_SECONDS = 60
 # Long enough to release locks with the listener down, and find it still down afterwards.

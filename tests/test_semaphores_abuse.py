@@ -88,6 +88,13 @@ async def test_an_idempotent_repeat_of_a_semaphore_grant_is_answered_at_the_quot
         again = await client.post("/v1/locks", json=body, headers=retry)
         assert again.status_code == 201, again.text
         assert again.json()["id"] == first.json()["id"] and again.json()["token"] == first.json()["token"]
+        # Once the organization was refused, the process asks the database before each acquire
+        # whether it adds a live lock: the repeat still adds none, another acquire of the key does.
+        assert_problem(await client.post("/v1/locks", json=lock_body(job_type="other")), 429)
+        assert_problem(await client.post("/v1/locks", json=lock_body(holder="w3", max_holders=3)), 429)
+        third = await client.post("/v1/locks", json=body, headers=retry)
+        assert third.status_code == 201, third.text
+        assert third.json()["token"] == first.json()["token"]
 
 
 async def test_a_waiter_is_woken_when_another_slots_lease_runs_out(client: httpx.AsyncClient) -> None:

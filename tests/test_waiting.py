@@ -75,14 +75,42 @@ async def test_a_waiter_is_granted_when_the_lease_expires(client: httpx.AsyncCli
     assert time.monotonic() - started < 2
 
 
-async def test_a_wait_that_runs_out_is_409(client: httpx.AsyncClient) -> None:
+async def test_a_waiter_is_woken_when_a_renewal_shortens_the_lease_it_sleeps_on(
+    client: httpx.AsyncClient,
+) -> None:
+    """Asleep until a 60 s lease runs out, the waiter is woken by the renewal that cuts it to 1 s
+    (announced, migration 0018), and reclaims the lock when that second is up, not at its wait's end."""
+    held = await grant(client, "holder", ttl=60)
+    waiter = asyncio.create_task(client.post("/v1/locks", json=body("next", wait=20)))
+    await asyncio.sleep(0.5)
+    assert not waiter.done()
+    renewed = await client.post(
+        f"/v1/locks/{held['id']}/renew", json={"ttl_seconds": 1}, headers={"Lock-Token": held["token"]}
+    )
+    assert renewed.status_code == 200, renewed.text
+    renewed_at = time.monotonic()
+    response = await asyncio.wait_for(waiter, 30)
+    assert response.status_code == 201, response.text
+    assert response.json()["reclaimed"]["lock_id"] == held["id"]
+    assert time.monotonic() - renewed_at < 5, "woken by the renewal, not at the end of its wait"
+
+
+async def test_a_wait_that_runs_out_is_409_with_the_holder_as_it_is_then(client: httpx.AsyncClient) -> None:
+    """The last answer comes from one more attempt: a renewal during the wait is in it."""
     held = await grant(client, "holder")
     started = time.monotonic()
-    response = await client.post("/v1/locks", json=body("impatient", wait=0.5))
+    impatient = asyncio.create_task(client.post("/v1/locks", json=body("impatient", wait=1)))
+    await asyncio.sleep(0.3)
+    renewed = await client.post(
+        f"/v1/locks/{held['id']}/renew", json={"ttl_seconds": 45}, headers={"Lock-Token": held["token"]}
+    )
+    assert renewed.status_code == 200, renewed.text
+    response = await impatient
     assert response.status_code == 409
     assert response.json()["holder"] == "holder"
     assert response.json()["lock_id"] == held["id"]
-    assert 0.5 <= time.monotonic() - started < 2
+    assert response.json()["expires_at"] == renewed.json()["expires_at"]
+    assert 1 <= time.monotonic() - started < 3
 
 
 async def test_waiters_in_one_process_are_served_in_arrival_order(client: httpx.AsyncClient) -> None:
