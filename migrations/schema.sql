@@ -261,26 +261,39 @@ CREATE OR REPLACE FUNCTION public.helix_acquire_job_lock_within_quota(p_organiza
  SET search_path TO 'public', 'pg_temp'
 AS $function$
 #variable_conflict use_column
+DECLARE
+    v_adds boolean;  -- the acquire takes a free slot, unless it is a repeat
+    v_repeat boolean;
+    v_live bigint;  -- the organization's live locks
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtext('helix_live_lock_quota'), hashtext(p_organization_id));
-    IF (
-        SELECT count(*) FILTER (WHERE l.max_holders = p_max_holders) = count(*)
-               AND count(*) < p_max_holders
-               AND NOT coalesce(bool_or(l.idempotency_key = p_idempotency_key
-                                        AND l.holder = p_holder
-                                        AND l.expires_at > clock_timestamp()), false)
-        FROM helix_job_locks AS l
-        WHERE l.organization_id = p_organization_id AND l.job_type = p_job_type AND l.released_at IS NULL
-    ) AND (
-        SELECT count(*) FROM helix_job_locks AS l
-        WHERE l.organization_id = p_organization_id AND l.released_at IS NULL
-    ) >= p_quota THEN
-        RAISE EXCEPTION 'organization % has its quota of live locks', p_organization_id
-            USING ERRCODE = 'HL004', DETAIL = p_quota::text;
+    SELECT count(*) FILTER (WHERE l.max_holders = p_max_holders) = count(*) AND count(*) < p_max_holders,
+           coalesce(bool_or(l.idempotency_key = p_idempotency_key
+                            AND l.holder = p_holder
+                            AND l.expires_at > clock_timestamp()), false)
+    INTO v_adds, v_repeat
+    FROM helix_job_locks AS l
+    WHERE l.organization_id = p_organization_id AND l.job_type = p_job_type AND l.released_at IS NULL;
+    IF v_adds THEN
+        SELECT count(*) INTO v_live FROM helix_job_locks AS l
+        WHERE l.organization_id = p_organization_id AND l.released_at IS NULL;
+        IF v_live >= p_quota AND NOT v_repeat THEN
+            RAISE EXCEPTION 'organization % has its quota of live locks', p_organization_id
+                USING ERRCODE = 'HL004', DETAIL = p_quota::text;
+        END IF;
     END IF;
     RETURN QUERY SELECT * FROM helix_acquire_job_lock(
         p_organization_id, p_job_type, p_holder, p_ttl_ms, p_metadata, p_idempotency_key, p_max_holders
     );
+    -- A repeat let through at the quota whose lease ran out before the acquire claimed it was
+    -- granted anew: refused after all if that added a live lock past the quota.
+    IF v_adds AND v_repeat AND v_live >= p_quota AND (
+        SELECT count(*) FROM helix_job_locks AS l
+        WHERE l.organization_id = p_organization_id AND l.released_at IS NULL
+    ) > v_live THEN
+        RAISE EXCEPTION 'organization % has its quota of live locks', p_organization_id
+            USING ERRCODE = 'HL004', DETAIL = p_quota::text;
+    END IF;
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_acquire_job_lock_within_quota(text,text,text,bigint,jsonb,text,integer,integer) FROM PUBLIC;
 
@@ -295,18 +308,41 @@ END $function$;
 
 CREATE OR REPLACE FUNCTION public.helix_claim_replay(p_organization_id text, p_job_type text, p_holder text, p_idempotency_key text)
  RETURNS bigint
- LANGUAGE sql
+ LANGUAGE plpgsql
 AS $function$
-    UPDATE helix_job_locks AS l
-    SET replayed = true
-    WHERE l.organization_id = p_organization_id
-      AND l.job_type = p_job_type
-      AND l.released_at IS NULL
-      AND l.idempotency_key = p_idempotency_key
-      AND l.holder = p_holder
-      AND l.expires_at > clock_timestamp()
-    RETURNING l.id
-$function$;
+DECLARE
+    v_id bigint;
+BEGIN
+    IF NOT EXISTS (
+        SELECT FROM helix_job_locks AS l
+        WHERE l.organization_id = p_organization_id
+          AND l.job_type = p_job_type
+          AND l.released_at IS NULL
+          AND l.idempotency_key = p_idempotency_key
+          AND l.holder = p_holder
+          AND l.expires_at > clock_timestamp()
+    ) THEN
+        RETURN NULL;
+    END IF;
+    PERFORM FROM helix_lock_keys AS k
+    WHERE k.organization_id = p_organization_id AND k.job_type = p_job_type
+    FOR UPDATE;
+    WITH claimed AS (
+        UPDATE helix_job_locks AS l
+        SET replayed = true
+        WHERE l.organization_id = p_organization_id
+          AND l.job_type = p_job_type
+          AND l.released_at IS NULL
+          AND l.idempotency_key = p_idempotency_key
+          AND l.holder = p_holder
+          AND l.expires_at > clock_timestamp()
+        RETURNING l.id, l.expires_at
+    )
+    -- Tested again after the UPDATE: one that waited for a row only locked by a renewal that then
+    -- failed (a wrong token) claims it without testing it anew.
+    SELECT min(c.id) INTO v_id FROM claimed AS c WHERE c.expires_at > clock_timestamp();
+    RETURN v_id;
+END $function$;
 
 CREATE OR REPLACE FUNCTION public.helix_digest(p_text text)
  RETURNS bytea

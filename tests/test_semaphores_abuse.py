@@ -1,5 +1,5 @@
-"""Semaphores (max_holders) attacked: what broke API.md, one test per bug, over real PostgreSQL and
-real HTTP (in process, or `helix-locks serve` processes on real sockets)."""
+"""Semaphores (max_holders) attacked, and then their fixes: what broke API.md, one test per bug,
+over real PostgreSQL and real HTTP (in process, or `helix-locks serve` processes on real sockets)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
-from helix_locks import keys
+from helix_locks import keys, queries
 from helix_locks.app import create_app
 from tests.support import ROUTE, Watch, in_process
 from tests.test_api import acquire, assert_problem, lock_body
@@ -121,3 +122,88 @@ async def test_a_waiter_is_woken_when_another_slots_lease_runs_out(client: httpx
     granted: dict[str, Any] = response.json()
     assert granted["slot"] == 1 and granted["reclaimed"]["lock_id"] == grants[1]["id"]
     assert time.monotonic() - renewed_at < 4
+
+
+def _live_locks(db_url: str, organization_id: str) -> int:
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM helix_job_locks WHERE organization_id = %s AND released_at IS NULL",
+            (organization_id,),
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_a_repeat_whose_lock_runs_out_as_it_is_claimed_is_not_a_new_grant_past_the_quota(
+    db_url: str,
+) -> None:
+    """docs/api.md: an acquire "that would give an organization more than its quota of live locks
+    (held, or lapsed and not yet reclaimed) gets 429"; with up to four processes "an organization
+    never goes over its quota". Migration 0018 lets a repeat (same Idempotency-Key and holder, its
+    lock live) through the quota's check, but the check and the repeat's claim read the clock
+    apart: a lock that runs out between them (here: its holder's PATCH commits just then, which
+    the claim waits for) makes the "repeat" a NEW grant in a free slot, while the lapsed lock
+    stays unreleased: 3 live locks with a quota of 2. It must be the replay, or 429 (migration 0018
+    refuses such a new grant after it, rolling it back)."""
+    app = create_app(ROUTE.settings(db_url, allow_anonymous=True, max_live_locks_per_organization=2))
+    async with in_process(app) as client:
+        body = lock_body(holder="w1", max_holders=3, ttl_seconds=2)
+        retry = {"Idempotency-Key": "lost-answer-1"}
+        first = await client.post("/v1/locks", json=body, headers=retry)
+        assert first.status_code == 201, first.text
+        lock: dict[str, Any] = first.json()
+        await acquire(client, job_type="other", holder="w2")  # the organization's quota is reached
+        assert _live_locks(db_url, "acme") == 2
+        with psycopg.connect(db_url) as patching:
+            # The holder's PATCH of its metadata, in flight while the lease runs out.
+            patching.execute(
+                "SELECT id FROM helix_update_job_lock(%s, %s, %s::jsonb, %s)",
+                (lock["id"], lock["token"], '{"done": 1}', "acme"),
+            )
+            repeat = asyncio.create_task(client.post("/v1/locks", json=body, headers=retry))
+            await asyncio.sleep(lock["ttl_remaining_ms"] / 1000 + 0.3)
+            assert not repeat.done()
+            patching.commit()
+        again = await asyncio.wait_for(repeat, 10)
+        live = _live_locks(db_url, "acme")
+        assert live <= 2, f"{live} live locks with a quota of 2; the repeat was answered {again.text}"
+        assert again.status_code in (201, 429), again.text
+        if again.status_code == 201:
+            assert again.json()["id"] == lock["id"], f"a new grant, not the replay: {again.text}"
+
+
+# The previous build's event reader (before dd9e508): the same statement and the same event ids,
+# but each window sorted by lock id, then time and kind.
+PREVIOUS_EVENTS = queries.EVENTS.replace(
+    "ORDER BY a.n, e.at, e.id, e.rank", "ORDER BY a.n, e.id, e.at, e.rank"
+)
+
+
+async def test_a_repeat_waiting_for_another_acquire_is_not_answered_with_a_lease_that_ran_out(
+    client: httpx.AsyncClient, db_url: str
+) -> None:
+    """docs/api.md: a repeat with the same Idempotency-Key answers the first grant "while the lock
+    it got is live (not ended, lease not run out)"; "once the first lease has run out, a repeat is
+    a new grant". The repeat's claim (helix_claim_replay, which 0018's quota relies on) tests the
+    lease, then waits for the row lock of another worker's acquire of the key in flight, and
+    claimed the lock after it ran out meanwhile: 201 with state "expired" and no lease left. It now
+    waits for the pair's counter row first, then tests the lease (migration 0018)."""
+    body = lock_body(holder="w1", max_holders=2, ttl_seconds=2)
+    retry = {"Idempotency-Key": "lost-answer-2"}
+    first = await client.post("/v1/locks", json=body, headers=retry)
+    assert first.status_code == 201, first.text
+    lock: dict[str, Any] = first.json()
+    with psycopg.connect(db_url) as other:
+        # Another worker's acquire of the key's other slot, its commit in flight.
+        other.execute(
+            "SELECT id FROM helix_acquire_job_lock('acme', 'nightly-report', 'w2', 60000, NULL, NULL, 2)"
+        )
+        repeat = asyncio.create_task(client.post("/v1/locks", json=body, headers=retry))
+        await asyncio.sleep(lock["ttl_remaining_ms"] / 1000 + 0.3)
+        assert not repeat.done()
+        other.commit()
+    again = await asyncio.wait_for(repeat, 10)
+    assert again.status_code in (201, 409), again.text
+    if again.status_code == 201:
+        granted = again.json()
+        assert granted["state"] == "held" and granted["ttl_remaining_ms"] > 0, again.text
