@@ -53,26 +53,34 @@ def _xmax(snapshot: str) -> int:
     return int(found.group(2))
 
 
-def _in_order(lock_id: int, at: datetime, rank: int) -> tuple[datetime, int, int]:
-    """An event's place as a window is sorted (queries.EVENTS): by time, lock id, kind."""
-    return at, lock_id, rank
-
-
 @dataclass(frozen=True)
 class Position:
     """What an event id says: the window (after, until] it was read in, the window's times, and
-    the event's place in it (lock id, time, kind; a window is sent by time, lock id and kind)."""
+    the event's place in it (lock id, time, kind).
+
+    This build sends a window by time, then lock id and kind (queries.EVENTS), and writes the
+    place's time with "Z". Ids of the builds before it, which sent a window by lock id, time and
+    kind, write "+00:00" there: such an id, resumed here during a rolling upgrade, leaves out what
+    its window held up to its place in that order (`sent`), so nothing is repeated or lost. (The
+    builds before read this build's ids too, in their own order: see docs/deployment.md.)"""
 
     after: str
     after_at: datetime
     until: str
     until_at: datetime
     place: tuple[int, datetime, int]
+    by_time: bool = True
+
+    def sent(self, lock_id: int, at: datetime, rank: int) -> bool:
+        """Whether the event at this place in the id's window came before the id's, or is it."""
+        if self.by_time:
+            return (at, lock_id, rank) <= (self.place[1], self.place[0], self.place[2])
+        return (lock_id, at, rank) <= self.place
 
     def encode(self) -> str:
         lock_id, at, rank = self.place
         raw: list[str | int] = [self.after, self.after_at.isoformat(), self.until, self.until_at.isoformat()]
-        raw += [lock_id, at.isoformat(), rank]
+        raw += [lock_id, at.isoformat().replace("+00:00", "Z") if self.by_time else at.isoformat(), rank]
         return base64.urlsafe_b64encode(json.dumps(raw, separators=(",", ":")).encode()).decode().rstrip("=")
 
     @classmethod
@@ -89,7 +97,7 @@ class Position:
             times = [datetime.fromisoformat(value) for value in (after_at, until_at, at)]
             if any(moment.tzinfo is None for moment in times):
                 raise ValueError("time without a time zone")
-            return cls(after, times[0], until, times[1], (lock_id, times[2], rank))
+            return cls(after, times[0], until, times[1], (lock_id, times[2], rank), at.endswith("Z"))
         except (ValueError, TypeError, binascii.Error, RecursionError, OverflowError) as exc:
             raise InvalidArgument("Last-Event-ID", "not an event id of this service") from exc
 
@@ -364,9 +372,7 @@ class EventHub:
         replayed = [
             _event(row, window)
             for row in found
-            if not (
-                row["seen"] and _in_order(row["id"], utc(row["at"]), row["rank"]) <= _in_order(*resume.place)
-            )
+            if not (row["seen"] and resume.sent(row["id"], utc(row["at"]), row["rank"]))
         ]
         self._send(watcher, replayed, joining=True)
         watcher.bridge = (until, until_at)
