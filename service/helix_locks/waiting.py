@@ -52,10 +52,9 @@ class _Queue:
         self.turn = asyncio.Lock()  # FIFO: the head of the queue holds it
         self.wake = asyncio.Event()
         self.waiters = 0
-        # The lock whose end the head sleeps until; None while it is not asleep on one.
-        self.sleeping_on: int | None = None
-        # How many held the key's slots when it was refused (a semaphore's: max_holders).
-        self.holders = 0
+        # The refusal the head sleeps on (its lock_id: the lease it sleeps until; its holders: who
+        # held the key's slots then); None while it is not asleep.
+        self.sleeping_on: LockHeld | None = None
         # The max_holders the key was last found held with (None: not known).
         self.held_with: int | None = None
 
@@ -99,8 +98,8 @@ class Waiters:
         params = {
             "organization_ids": [key[0] for key, _ in queues],
             "job_types": [key[1] for key, _ in queues],
-            "lock_ids": [queue.sleeping_on for _, queue in queues],
-            "holders": [queue.holders for _, queue in queues],
+            "lock_ids": [queue.sleeping_on and queue.sleeping_on.lock_id for _, queue in queues],
+            "holders": [queue.sleeping_on and len(queue.sleeping_on.holders) for _, queue in queues],
         }
         try:
             cursor = await conn.execute(queries.MISSED_RELEASES, params)
@@ -215,14 +214,14 @@ class Waiters:
                 # Until the holder's lease runs out; None: it just ended, so try again now.
                 expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
                 timer = 0.0 if expiry is None else min(left, expiry / 1000 + EXPIRY_SLACK_SECONDS)
-                queue.sleeping_on, queue.holders = held.lock_id, len(held.holders)
+                queue.sleeping_on = held
                 try:
                     # At the timer (the lease slept on ran out, or the wait did), one more attempt:
                     # a grant, or a 409 with the holders as they are now.
                     with contextlib.suppress(TimeoutError):
                         await self._until(queue.wake.wait(), loop.time() + timer, gone)
                 finally:
-                    queue.sleeping_on, queue.holders = None, 0
+                    queue.sleeping_on = None
 
     async def _last_try(
         self,
