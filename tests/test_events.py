@@ -5,21 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, asynccontextmanager, contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
-from helix_locks import keys
+from helix_locks import keys, queries
 from helix_locks.db import Database, create_pool
 from helix_locks.errors import EventsExpired
-from helix_locks.events import EventHub
+from helix_locks.events import EventHub, EventIds, Position, Window
 from helix_locks.keys import ANONYMOUS, KeyRing
 from tests.support import ROUTE, Event, Watch, running_service
 
@@ -72,7 +73,9 @@ async def event_hub(db_url: str) -> AsyncIterator[EventHub]:
         max_watchers=10,
         max_per_organization=10,
         replay_limit=10,
-        backlog=10,
+        stream_bytes=1024 * 1024,
+        memory_bytes=64 * 1024 * 1024,
+        organization_bytes=0,
         keep=None,
         keepalive_seconds=1,
     )
@@ -81,6 +84,14 @@ async def event_hub(db_url: str) -> AsyncIterator[EventHub]:
     finally:
         hub.close()
         await db.close()
+
+
+def event_ids(db_url: str) -> EventIds:
+    """Event ids as the service on this database signs and reads them."""
+    with psycopg.connect(db_url) as conn:
+        row = conn.execute(queries.EVENT_ID_KEY).fetchone()
+    assert row is not None
+    return EventIds(bytes(row[0]))
 
 
 def per_key(events: list[Event]) -> dict[tuple[str, str], list[tuple[str, int]]]:
@@ -181,9 +192,11 @@ async def test_an_event_id_from_before_retention_is_410_and_a_made_up_one_is_422
         async with httpx.AsyncClient(base_url=url) as http, Watch(url) as watch:
             await acquire(http)
             [event] = await watch.until(1)
-        raw = json.loads(base64.urlsafe_b64decode(event.id + "=" * (-len(event.id) % 4)))
-        raw[1] = "2020-01-01T00:00:00+00:00"  # the window it was read in opened long ago
-        old = base64.urlsafe_b64encode(json.dumps(raw).encode()).decode()
+        ids = event_ids(db_url)
+        position = ids.decode(event.id)
+        # The window it was read in opened long ago.
+        window = replace(position.window, after_at=datetime(2020, 1, 1, tzinfo=UTC))
+        old = ids.encode(replace(position, window=window))
         async with Watch(url, last_event_id=old) as refused:
             assert refused.status == 410
             assert refused.problem is not None
@@ -324,8 +337,7 @@ async def test_when_the_database_history_goes_back_every_stream_ends(db_url: str
         await hub._next((ahead, datetime.now(UTC)))
         assert watcher.ended
         assert hub.watching == 0
-        raw = [ahead, datetime.now(UTC).isoformat(), ahead, datetime.now(UTC).isoformat(), 1]
-        raw += [datetime.now(UTC).isoformat(), 0]
-        lost = base64.urlsafe_b64encode(json.dumps(raw).encode()).decode()
+        now = datetime.now(UTC)
+        lost = (await hub._event_ids()).encode(Position(Window(ahead, now, ahead, now), (now, 1, 0)))
         with pytest.raises(EventsExpired):
             await hub.watch(ANONYMOUS, None, None, None, lost)

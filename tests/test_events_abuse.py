@@ -9,14 +9,16 @@ import json
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
 import pytest
 
 from helix_locks import keys
+from helix_locks.events import EventIds, Position, Window
 from tests.support import ROUTE, Watch, running_service
-from tests.test_events import FAST, acquire, release, replicas
+from tests.test_events import FAST, acquire, event_ids, release, replicas
 
 pytestmark = pytest.mark.anyio
 
@@ -34,33 +36,29 @@ async def _first_event_id(url: str, http: httpx.AsyncClient, key: str, org: str)
     return event.id
 
 
-def forged(after: str, until: str) -> str:
-    now = datetime.now(UTC).isoformat()
-    raw = [after, now, until, now, 1, now, 0]
-    return base64.urlsafe_b64encode(json.dumps(raw).encode()).decode().rstrip("=")
+def forged(db_url: str, after: str, until: str) -> str:
+    """An id this service could have signed (the key is in its database) naming a window that
+    PostgreSQL's pg_snapshot input refuses: what a leaked key would let a client send."""
+    now = datetime.now(UTC)
+    return event_ids(db_url).encode(Position(Window(after, now, until, now), (now, 1, 0)))
 
 
-# Each passes Position.decode (the regular expression, xmax(after) <= xmax(until)), and each is
-# refused by PostgreSQL's pg_snapshot input: xmin after xmax; an in-progress xid out of range;
-# in-progress xids out of order; xmin 0.
-POISONS = [
-    forged("10:5:", "1:5:"),
-    forged("1:5:7", "1:5:"),
-    forged("1:9:5,3", "1:9:"),
-    forged("0:0:", "0:0:"),
-]
+# Each passes EventIds.decode (the signature, the regular expression, xmax(after) <= xmax(until)),
+# and each is refused by PostgreSQL's pg_snapshot input: xmin after xmax; an in-progress xid out
+# of range; in-progress xids out of order; xmin 0.
+POISONS = [("10:5:", "1:5:"), ("1:5:7", "1:5:"), ("1:9:5,3", "1:9:"), ("0:0:", "0:0:")]
 
 
 @pytest.mark.parametrize("poison", POISONS, ids=["xmin>xmax", "xip-range", "xip-order", "zero"])
 async def test_a_poisoned_resume_fails_alone_and_other_organizations_streams_go_on(
-    db_url: str, tmp_path: Path, poison: str
+    db_url: str, tmp_path: Path, poison: tuple[str, str]
 ) -> None:
     acme, mallory = keys.create(db_url, "acme"), keys.create(db_url, "mallory")
     with replicas(db_url, tmp_path) as [url]:
         async with httpx.AsyncClient(base_url=url) as http, Watch(url, key=acme) as victim:
             await acquire(http, acme, job="before")
             await victim.until(1)
-            async with Watch(url, key=mallory, last_event_id=poison) as attack:
+            async with Watch(url, key=mallory, last_event_id=forged(db_url, *poison)) as attack:
                 pass
             await asyncio.sleep(0.5)
             assert not victim.ended.is_set(), "another organization's forged id ended this stream"
@@ -89,7 +87,7 @@ async def test_an_honest_resume_read_in_the_same_poll_as_a_poisoned_one_succeeds
             )
             await first.until(2)
             honest = Watch(url, key=acme, last_event_id=event.id)
-            attack = Watch(url, key=mallory, last_event_id=POISONS[0])
+            attack = Watch(url, key=mallory, last_event_id=forged(db_url, *POISONS[0]))
             await asyncio.gather(honest.__aenter__(), attack.__aenter__())
             try:
                 assert honest.status == 200, (honest.status, honest.problem)
@@ -189,56 +187,162 @@ async def test_resumes_refused_for_their_length_do_not_hold_their_replays_in_mem
     assert grown < 300, f"8 refused resumes of one organization grew the replica by {grown:.0f} MB"
 
 
-# A replay is sent whole to a watcher that has read everything before it, and a read's events
-# likewise: the backlog ends only a watcher that leaves events unread.
+# What a stream holds is bounded in bytes: a catch-up is read and sent a page at a time, each once
+# the client took the one before; a live stream that falls behind is ended with `retry:` and
+# resumes; an organization past its share of the process gets 429 (issue 34, finding 8).
 
 
-async def test_a_replay_longer_than_the_backlog_but_within_the_replay_limit_is_delivered_or_refused(
+def padded_history(db_url: str, organization: str, locks: int, pad: int = 8000) -> None:
+    """`locks` grants and releases of one organization, each lock with `pad` bytes of metadata as
+    stored: two events each, written in bulk (one window for the grants, one for the releases)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, acquired_at,"
+            " expires_at, fencing_token, metadata) SELECT %s, 'job-' || g, 'w', md5(g::text),"
+            " clock_timestamp(), clock_timestamp() + interval '30 s', 1,"
+            " jsonb_build_object('pad', repeat('x', %s)) FROM generate_series(1, %s) g",
+            (organization, pad, locks),
+        )
+        conn.execute(
+            "UPDATE helix_job_locks SET released_at = clock_timestamp(), release_reason = 'released'"
+            " WHERE organization_id = %s AND released_at IS NULL",
+            (organization,),
+        )
+
+
+async def open_slowly(port: int, key: str, last_event_id: str | None = None) -> tuple[Any, Any, bytes]:
+    """GET /v1/events from a raw socket that reads the answer's head and then nothing more."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    resume = f"Last-Event-ID: {last_event_id}\r\n" if last_event_id else ""
+    writer.write(
+        f"GET /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n{resume}\r\n".encode()
+    )
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    return reader, writer, head
+
+
+def dechunked(body: bytes) -> bytes:
+    """A chunked HTTP/1.1 body, whole, as its chunks carried it."""
+    out, rest = [], body
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        out.append(rest[:size])
+        rest = rest[size + 2 :]
+        if size == 0:
+            break
+    return b"".join(out)
+
+
+async def test_a_catch_up_longer_than_a_stream_may_hold_is_sent_whole_a_page_at_a_time(
     db_url: str, tmp_path: Path
 ) -> None:
+    acme = keys.create(db_url, "acme")
     with replicas(
-        db_url, tmp_path, HELIX_LOCKS_EVENTS_BACKLOG="5", HELIX_LOCKS_EVENTS_REPLAY_LIMIT="100"
+        db_url, tmp_path, HELIX_LOCKS_EVENTS_STREAM_BYTES="65536", HELIX_LOCKS_EVENTS_REPLAY_LIMIT="1000"
     ) as [url]:
-        async with httpx.AsyncClient(base_url=url) as http, Watch(url) as watch:
-            await acquire(http, job="first")
-            [event] = await watch.until(1)
-            for n in range(4):  # 8 events after it, each read alone: the live stream keeps up
-                await release(http, await acquire(http, job=f"more-{n}"))
-                await asyncio.sleep(0.1)
-            await watch.until(9)
-            assert not watch.ended.is_set()
-            async with Watch(url, last_event_id=event.id) as resumed:
-                await asyncio.sleep(1.0)
-                if resumed.status == 200:
-                    assert not resumed.ended.is_set() or len(resumed.events) == 8, (
-                        f"accepted, then ended after {len(resumed.events)} of 8 events: the client"
-                        " resumes from the same id and loops"
-                    )
-                    await resumed.until(8, within=5)
-                else:
-                    assert resumed.status == 410, resumed.problem
+        async with httpx.AsyncClient(base_url=url) as http:
+            event_id = await _first_event_id(url, http, acme, "acme")
+        padded_history(db_url, "acme", 300, pad=1000)  # 600 events, about 0.8 MB
+        async with Watch(url, key=acme, last_event_id=event_id) as resumed:
+            await resumed.until(601, within=30)
+            await resumed.quiet(0.5)
+            assert resumed.status == 200 and not resumed.ended.is_set()
+    # The first lock's release, then the 600.
+    assert resumed.events[0].type == "released"
+    assert len(resumed.events) == 601 == len({event.id for event in resumed.events})
 
 
-async def test_a_burst_larger_than_the_backlog_does_not_cut_a_prompt_reader_for_ever(
+async def test_a_burst_larger_than_a_stream_may_hold_does_not_cut_a_prompt_reader(
     db_url: str, tmp_path: Path
 ) -> None:
-    """One window's events are measured against the backlog all at once, so a burst of more
-    changes than the backlog within one poll cuts even a reader that takes every event at once;
-    its resume then replays the same burst, and is cut again, for ever."""
-    with replicas(db_url, tmp_path, HELIX_LOCKS_EVENTS_BACKLOG="5", HELIX_LOCKS_EVENTS_POLL_MS="1000") as [
-        url
-    ]:
-        async with httpx.AsyncClient(base_url=url) as http, Watch(url) as watch:
-            await acquire(http, job="first")
-            [event] = await watch.until(1, within=5)
-            await asyncio.gather(*(acquire(http, job=f"burst-{n}") for n in range(6)))
-            await asyncio.sleep(2.5)
-            cut = watch.ended.is_set()
-            async with Watch(url, last_event_id=event.id) as resumed:
-                await asyncio.sleep(1.5)
-                assert resumed.status == 200
-                progressed = len(resumed.events)
-        assert not cut or progressed > 0, "cut by a burst, and its resume makes no progress"
+    """A read's events always reach a watcher that took everything before them, however many."""
+    acme = keys.create(db_url, "acme")
+    with replicas(db_url, tmp_path, HELIX_LOCKS_EVENTS_STREAM_BYTES="65536") as [url]:
+        async with Watch(url, key=acme) as watch:
+            padded_history(db_url, "acme", 300, pad=1000)
+            await watch.until(600, within=30)
+            await watch.quiet(0.5)
+            assert not watch.ended.is_set()
+    assert len(watch.events) == 600
+
+
+async def test_slow_resumes_of_a_large_backlog_hold_a_page_each_not_the_backlog(
+    db_url: str, tmp_path: Path
+) -> None:
+    """20 resumes of a 3,200-event backlog whose locks hold 8 KiB of metadata each (27 MB of
+    events), from clients that read nothing after the answer's head: the process grows by a page
+    and a socket's buffers per stream, not by their replays."""
+    mallory = keys.create(db_url, "mallory")
+    env = ROUTE.env(db_url, **FAST)
+    with running_service(env=env, log=tmp_path / "s.log") as (url, process):
+        port = int(url.rsplit(":", 1)[1])
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            event_id = await _first_event_id(url, http, mallory, "mallory")
+        padded_history(db_url, "mallory", 1600)
+        before = peak_rss_mb(process.pid)
+        slow = [await open_slowly(port, mallory, event_id) for _ in range(20)]
+        await asyncio.sleep(5)  # the service sends what the sockets take, and holds the rest
+        grown = peak_rss_mb(process.pid) - before
+        for _, writer, _ in slow:
+            writer.close()
+    print(f"20 slow resumes of 3,200 events of 8 KiB: the process grew by {grown:.1f} MB at its peak")
+    assert all(head.startswith(b"HTTP/1.1 200") for _, _, head in slow), [h[:40] for _, _, h in slow]
+    assert grown < 150, f"20 slow resumes grew the process by {grown:.0f} MB"
+
+
+async def test_an_organization_past_its_share_of_event_memory_gets_429_and_another_does_not(
+    db_url: str, tmp_path: Path
+) -> None:
+    acme, mallory = keys.create(db_url, "acme"), keys.create(db_url, "mallory")
+    env = ROUTE.env(db_url, **FAST, HELIX_LOCKS_EVENTS_ORGANIZATION_BYTES=str(512 * 1024))
+    with running_service(env=env, log=tmp_path / "s.log") as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            mallory_id = await _first_event_id(url, http, mallory, "mallory")
+            acme_id = await _first_event_id(url, http, acme, "acme")
+        padded_history(db_url, "mallory", 1600)
+        first = await open_slowly(port, mallory, mallory_id)  # holds about 0.5 MB of keys, a page
+        async with Watch(url, key=mallory, last_event_id=mallory_id) as refused:
+            status, problem = refused.status, refused.problem
+        async with Watch(url, key=acme, last_event_id=acme_id) as theirs:
+            other = theirs.status
+        first[1].close()
+        await asyncio.sleep(0.5)
+        async with Watch(url, key=mallory) as again:  # its slow stream gone: room again
+            later = again.status
+    assert first[2].startswith(b"HTTP/1.1 200"), first[2]
+    assert status == 429, (status, problem)
+    assert (
+        problem is not None and problem["type"] == "urn:helix-locks:problem:too-many-watchers-in-organization"
+    )
+    assert "bytes" in problem["detail"], problem
+    assert other == 200 and later == 200
+
+
+async def test_a_live_stream_that_falls_behind_is_ended_with_retry_and_its_resume_misses_nothing(
+    db_url: str, tmp_path: Path
+) -> None:
+    acme = keys.create(db_url, "acme")
+    env = ROUTE.env(db_url, **FAST, HELIX_LOCKS_EVENTS_STREAM_BYTES="65536")
+    with running_service(env=env, log=tmp_path / "s.log") as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        reader, writer, head = await open_slowly(port, acme)
+        await asyncio.sleep(0.3)  # joined
+        for _ in range(5):  # 5 MB of events in 10 windows, more than the sockets' buffers
+            padded_history(db_url, "acme", 60)
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        body = dechunked(await asyncio.wait_for(reader.read(), 30))  # all it was sent, to the end
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert body.endswith(b"\n\nretry: 1000\n\n"), body[-200:]
+        ids = [line[4:].decode() for line in body.split(b"\n") if line.startswith(b"id: ")]
+        assert 0 < len(ids) < 600, len(ids)
+        async with Watch(url, key=acme, last_event_id=ids[-1]) as resumed:
+            await resumed.until(600 - len(ids), within=30)
+            await resumed.quiet(0.5)
+    assert len(ids) + len(resumed.events) == 600 == len(set(ids) | {event.id for event in resumed.events})
 
 
 # An expiry is reported by the window whose times hold expires_at; a grant or renewal that became
@@ -264,24 +368,23 @@ async def test_a_lease_granted_by_a_slow_commit_still_gets_its_expired_event(
 
 
 # A resume's replay and its bridge to the reader's windows reach the watcher whole, whatever the
-# backlog (it cannot read before it joins): neither ends it, nor the reader, nor another
+# bounds (it cannot read before it joins): neither ends it, nor the reader, nor another
 # organization's streams.
 
 
-async def test_a_resume_whose_bridge_overflows_the_backlog_does_not_end_other_organizations_streams(
+async def test_a_resume_whose_bridge_carries_much_does_not_end_other_organizations_streams(
     db_url: str, tmp_path: Path
 ) -> None:
     acme, mallory = keys.create(db_url, "acme"), keys.create(db_url, "mallory")
     with replicas(
         db_url,
         tmp_path,
-        HELIX_LOCKS_EVENTS_BACKLOG="5",
         HELIX_LOCKS_EVENTS_REPLAY_LIMIT="100",
         HELIX_LOCKS_EVENTS_POLL_MS="1000",
     ) as [url]:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             event_id = await _first_event_id(url, http, mallory, "mallory")
-            # Four events after it: a replay well within the backlog and the replay limit.
+            # Four events after it: a replay well within the replay limit.
             await release(http, await acquire(http, mallory, org="mallory", job="a"), mallory)
             await release(http, await acquire(http, mallory, org="mallory", job="b"), mallory)
             async with Watch(url, key=acme) as victim:
@@ -332,3 +435,61 @@ async def test_one_organization_s_resumes_do_not_starve_another_organization_s_r
             await asyncio.gather(*(resume.close() for resume in resumes))
     assert status == 200, (status, problem, f"after {took:.1f} s")
     assert took < 1.0, f"acme's resume waited {took:.1f} s behind mallory's resumes"
+
+
+# Event ids are signed with a key kept in the database (issue 34, finding 10): a resume starts only
+# where a stream of this service was, and reads its own organization's changes alone.
+
+
+async def test_an_altered_or_foreign_event_id_is_422_and_one_of_an_earlier_version_is_410(
+    db_url: str, tmp_path: Path
+) -> None:
+    acme = keys.create(db_url, "acme")
+    with replicas(db_url, tmp_path) as [url]:
+        async with httpx.AsyncClient(base_url=url) as http:
+            genuine = await _first_event_id(url, http, acme, "acme")
+        payload, _, mac = genuine.partition(".")
+        raw = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        # The whole history: a window opened at the first transaction, in 1970.
+        raw[0], raw[1] = "1:1:", "1970-01-01T00:00:00+00:00"
+        altered = base64.urlsafe_b64encode(json.dumps(raw).encode()).decode().rstrip("=") + "." + mac
+        position = event_ids(db_url).decode(genuine)
+        foreign = EventIds(b"another deployment's key").encode(position)
+        # What the builds before signed ids sent: the same fields, unsigned.
+        earlier = base64.urlsafe_b64encode(json.dumps(raw).encode()).decode().rstrip("=")
+        answers = {}
+        for name, event_id in (("altered", altered), ("foreign", foreign), ("earlier", earlier)):
+            async with Watch(url, key=acme, last_event_id=event_id) as refused:
+                answers[name] = (refused.status, (refused.problem or {}).get("detail", ""))
+        async with Watch(url, key=acme, last_event_id=genuine) as honest:
+            status = honest.status
+    assert answers["altered"][0] == answers["foreign"][0] == 422, answers
+    assert answers["earlier"][0] == 410 and "earlier version" in answers["earlier"][1], answers
+    assert status == 200
+
+
+def test_a_resume_reads_the_changes_of_its_own_organization_alone(db_url: str) -> None:
+    """With a busy organization's history after the id, a resume of another organization reads
+    its window on the organization's index (the plan, as auto_explain reports it)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        start = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
+        assert start is not None
+        history(db_url, organizations=1, locks=20_000, prefix="busy")
+        plans: list[str] = []
+        conn.add_notice_handler(lambda notice: plans.append(notice.message_primary or ""))
+        conn.execute("LOAD 'auto_explain'")
+        for name, value in (
+            ("log_min_duration", "0"),
+            ("log_nested_statements", "on"),
+            ("log_analyze", "on"),
+            ("log_level", "notice"),
+        ):
+            conn.execute("SELECT set_config(%s, %s, false)", (f"auto_explain.{name}", value))
+        rows = conn.execute(
+            "SELECT count(*) FROM helix_window_events(%s::pg_snapshot, pg_current_snapshot(), 'acme', NULL)",
+            (start[0],),
+        ).fetchone()
+    window = next(plan for plan in plans if "WITH changed AS" in plan)
+    assert rows == (0,)
+    assert "Index Cond: ((organization_id = 'acme'::text) AND (changed_xid >=" in window, window
+    assert "rows=20000" not in window and "Rows Removed by Filter" not in window, window

@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
-from psycopg.rows import dict_row
 
-from helix_locks import keys, queries
+from helix_locks import keys
 from helix_locks.app import create_app
-from helix_locks.events import Position, _starts
-from helix_locks.locks import utc
 from tests.support import ROUTE, Watch, in_process
 from tests.test_api import acquire, assert_problem, lock_body
 from tests.test_events import replicas
@@ -174,68 +170,6 @@ async def test_a_repeat_whose_lock_runs_out_as_it_is_claimed_is_not_a_new_grant_
         assert again.status_code in (201, 429), again.text
         if again.status_code == 201:
             assert again.json()["id"] == lock["id"], f"a new grant, not the replay: {again.text}"
-
-
-# The previous build's event reader (before dd9e508): the same statement and the same event ids,
-# but each window sorted by lock id, then time and kind.
-PREVIOUS_EVENTS = queries.EVENTS.replace(
-    "ORDER BY a.n, e.at, e.id, e.rank", "ORDER BY a.n, e.id, e.at, e.rank"
-)
-
-
-async def test_a_stream_resumed_from_the_previous_builds_replica_repeats_no_event(
-    db_url: str, tmp_path: Path
-) -> None:
-    """API.md: a Last-Event-ID "sent to any replica, replays what came after it"; "Event ids mean
-    the same on every replica", and docs/deployment.md: the previous release's replicas keep
-    working during a rolling upgrade. A replica of the previous build sent its window by lock id
-    (A acquired, A released, B acquired); its watcher, stopped with the upgrade, resumes at a
-    replica of this build from the last event it got, B acquired. Read as a place in a window
-    sorted by time, the id replayed A released, which the watcher already had: the id's "+00:00"
-    tells this build to read it in the order it was made in."""
-    assert PREVIOUS_EVENTS != queries.EVENTS
-    admin = keys.create(db_url, None)
-    headers = {"Authorization": f"Bearer {admin}"}
-    with (
-        replicas(db_url, tmp_path) as [url],
-        psycopg.connect(db_url, autocommit=True, row_factory=dict_row) as previous,
-    ):
-        start = previous.execute(queries.EVENTS_START).fetchone()
-        assert start is not None
-        async with httpx.AsyncClient(base_url=url, headers=headers) as http:
-            a = await acquire(http, job_type="a", holder="A")
-            await acquire(http, job_type="b", holder="B")
-            done = await http.delete(f"/v1/locks/{a['id']}", headers={"Lock-Token": a["token"]})
-            assert done.status_code == 204
-            # The previous build's reader reads the window, and sends it in its order.
-            rows = previous.execute(
-                PREVIOUS_EVENTS, _starts([(start["snapshot"], start["until_at"], "acme", None)])
-            ).fetchall()
-            window: tuple[str, datetime, str, datetime] = (
-                start["snapshot"],
-                utc(start["until_at"]),
-                rows[0]["snapshot"],
-                utc(rows[0]["until_at"]),
-            )
-            sent = [
-                (
-                    row["event"],
-                    row["holder"],
-                    Position(*window, (row["id"], utc(row["at"]), row["rank"]), by_time=False).encode(),
-                )
-                for row in rows
-                if row["event"] is not None
-            ]
-            assert [(kind, holder) for kind, holder, _ in sent] == [
-                ("acquired", "A"),
-                ("released", "A"),
-                ("acquired", "B"),
-            ]
-            async with Watch(url, key=admin, last_event_id=sent[-1][2], organization_id="acme") as resumed:
-                await acquire(http, job_type="c", holder="C")
-                events = await resumed.until(1, within=10)
-    first = (events[0].type, events[0].data["lock"]["holder"])
-    assert first == ("acquired", "C"), f"resumed after B acquired, it replayed {first} first"
 
 
 async def test_a_repeat_waiting_for_another_acquire_is_not_answered_with_a_lease_that_ran_out(

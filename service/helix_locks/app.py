@@ -232,7 +232,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 max_watchers=settings.max_watchers,
                 max_per_organization=settings.max_watchers_per_organization,
                 replay_limit=settings.events_replay_limit,
-                backlog=settings.events_backlog,
+                stream_bytes=settings.events_stream_bytes,
+                memory_bytes=settings.events_memory_bytes,
+                organization_bytes=settings.events_organization_bytes,
                 keep=timedelta(days=settings.retention_days) if settings.retention_days > 0 else None,
                 keepalive_seconds=settings.events_keepalive_seconds,
             )

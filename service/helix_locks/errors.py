@@ -145,9 +145,11 @@ class TooManyWatchers(LockError):
 
 @dataclass
 class OrganizationWatchersFull(LockError):
-    """This process already streams as many of the organization's watchers as one may have."""
+    """This process already streams as many of the organization's watchers as one may have, or
+    its streams hold as many bytes of events as its share."""
 
     limit: int
+    what: str = "event streams open"
 
 
 @dataclass

@@ -1,19 +1,22 @@
-"""GET /v1/events: one reader per process turns the database's windows of changes into events
-for every watcher (migration 0016 says why none is lost, repeated or reordered)."""
+"""GET /v1/events: one reader per process turns the database's windows of changes into events for
+every live watcher; a resumed watcher catches up on windows of its own, a page at a time, then
+joins it (migration 0019 says why no event is lost, repeated or made up)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
+import hashlib
+import hmac
 import json
 import logging
 import re
-from collections import Counter, defaultdict
-from collections.abc import AsyncIterator
+from collections import Counter, defaultdict, deque
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import psycopg
 from psycopg.rows import DictRow
@@ -34,15 +37,29 @@ from helix_locks.errors import (
 )
 from helix_locks.keys import Caller, KeyRing
 from helix_locks.locks import Lock, Reclaimed, utc
-from helix_locks.schemas import AcquiredEventBody, EventBody, LockBody, ReclaimedBody
+from helix_locks.schemas import AcquiredEventBody, EventBody, EventType, LockBody, ReclaimedBody
 
 logger = logging.getLogger(__name__)
 
 # xmin:xmax:xip,... as PostgreSQL writes a pg_snapshot.
 _SNAPSHOT = re.compile(r"([0-9]{1,20}):([0-9]{1,20}):((?:[0-9]{1,20}(?:,[0-9]{1,20})*)?)")
 KEEP_ALIVE = b": keep-alive\n\n"
-# Resumes whose replays one process reads at once (each on a pooled connection).
+# What a stream ended for the memory it held sends last: resume after this many milliseconds.
+RETRY = b"retry: 1000\n\n"
+# The kinds of helix_window_events (0019); 4 is the lock's end, named by its release_reason.
+KINDS: tuple[EventType, ...] = ("acquired", "expired", "renewed", "updated")
+END = 4
+# Statements that read for catch-ups at once in one process (each on a pooled connection).
 REPLAYS_AT_ONCE = 2
+# Events whose locks one catch-up statement reads, and the most a bridge may carry (more, and the
+# watcher catches up again): with the 8 KiB of metadata a lock may hold, under 1 MiB a page.
+PAGE = 64
+# Bytes of events handed to the connection at once.
+CHUNK = 64 * 1024
+# What a catch-up holds per event it has yet to send (time, lock id and kind, in a list), about.
+KEY_BYTES = 150
+# Expiries one announcement marks; the rest at the next poll.
+ANNOUNCE_AT_ONCE = 1000
 # How often the reader checks that each watcher's API key still works.
 _KEY_CHECK_SECONDS = 1.0
 
@@ -53,83 +70,80 @@ def _xmax(snapshot: str) -> int:
     return int(found.group(2))
 
 
-@dataclass(frozen=True)
-class Position:
-    """What an event id says: the window (after, until] it was read in, the window's times, and
-    the event's place in it (lock id, time, kind).
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
 
-    This build sends a window by time, then lock id and kind (queries.EVENTS), and writes the
-    place's time with "Z". Ids of the builds before it, which sent a window by lock id, time and
-    kind, write "+00:00" there: such an id, resumed here during a rolling upgrade, leaves out what
-    its window held up to its place in that order (`sent`), so nothing is repeated or lost. (The
-    builds before read this build's ids too, in their own order: see docs/deployment.md.)"""
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+@dataclass(frozen=True)
+class Window:
+    """The changes committed between two snapshots (after, until], and when each was taken."""
 
     after: str
     after_at: datetime
     until: str
     until_at: datetime
-    place: tuple[int, datetime, int]
-    by_time: bool = True
 
-    def sent(self, lock_id: int, at: datetime, rank: int) -> bool:
-        """Whether the event at this place in the id's window came before the id's, or is it."""
-        if self.by_time:
-            return (at, lock_id, rank) <= (self.place[1], self.place[0], self.place[2])
-        return (lock_id, at, rank) <= self.place
 
-    def encode(self) -> str:
-        lock_id, at, rank = self.place
-        raw: list[str | int] = [self.after, self.after_at.isoformat(), self.until, self.until_at.isoformat()]
-        raw += [lock_id, at.isoformat().replace("+00:00", "Z") if self.by_time else at.isoformat(), rank]
-        return base64.urlsafe_b64encode(json.dumps(raw, separators=(",", ":")).encode()).decode().rstrip("=")
+@dataclass(frozen=True)
+class Position:
+    """What an event id says: the window it was sent in, and its place there (time, lock id and
+    kind), the order a window is sent in."""
 
-    @classmethod
-    def decode(cls, text: str) -> Position:
-        """The position an event id names; InvalidArgument unless this service made it."""
+    window: Window
+    place: tuple[datetime, int, int]
+
+
+class EventIds:
+    """Event ids: a position, signed with the database's key (helix_event_id_key), so that every
+    replica reads them and a resume starts only where a stream really was."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def _mac(self, payload: bytes) -> bytes:
+        return hmac.new(self._key, payload, hashlib.sha256).digest()[:16]
+
+    def encode(self, position: Position) -> str:
+        window, (at, lock_id, rank) = position.window, position.place
+        raw = [window.after, window.after_at, window.until, window.until_at, at, lock_id, rank]
+        payload = json.dumps(
+            [value.isoformat() if isinstance(value, datetime) else value for value in raw],
+            separators=(",", ":"),
+        ).encode()
+        return f"{_b64(payload)}.{_b64(self._mac(payload))}"
+
+    def decode(self, text: str) -> Position:
+        """The position an event id names; InvalidArgument unless this service signed it, and
+        EventsExpired for an id of the builds before ids were signed."""
+        payload_text, dot, mac_text = text.partition(".")
         try:
-            raw = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)))
-            after, after_at, until, until_at, lock_id, at, rank = raw
-            snapshots = [_SNAPSHOT.fullmatch(after), _SNAPSHOT.fullmatch(until)]
-            if not all(snapshots) or not isinstance(lock_id, int) or not isinstance(rank, int):
+            if not dot:
+                earlier = json.loads(_unb64(text))
+                if (
+                    isinstance(earlier, list)
+                    and len(earlier) == 7
+                    and all(isinstance(earlier[n], str) and _SNAPSHOT.fullmatch(earlier[n]) for n in (0, 2))
+                ):
+                    raise EventsExpired("it was made by an earlier version of the service")
                 raise ValueError("not an event id")
-            if not (0 < lock_id < 2**63 and 0 <= rank <= 3) or _xmax(after) > _xmax(until):
+            payload = _unb64(payload_text)
+            if not hmac.compare_digest(_unb64(mac_text), self._mac(payload)):
+                raise ValueError("not signed by this service")
+            after, after_at, until, until_at, at, lock_id, rank = json.loads(payload)
+            if not (_SNAPSHOT.fullmatch(after) and _SNAPSHOT.fullmatch(until)) or _xmax(after) > _xmax(until):
                 raise ValueError("not an event id")
-            times = [datetime.fromisoformat(value) for value in (after_at, until_at, at)]
+            if not isinstance(lock_id, int) or not isinstance(rank, int) or not 0 <= rank <= END:
+                raise ValueError("not an event id")
+            times = [utc(datetime.fromisoformat(value)) for value in (after_at, until_at, at)]
             if any(moment.tzinfo is None for moment in times):
                 raise ValueError("time without a time zone")
-            return cls(after, times[0], until, times[1], (lock_id, times[2], rank), at.endswith("Z"))
+            return Position(Window(after, times[0], until, times[1]), (times[2], lock_id, rank))
         except (ValueError, TypeError, binascii.Error, RecursionError, OverflowError) as exc:
             raise InvalidArgument("Last-Event-ID", "not an event id of this service") from exc
-
-
-@dataclass
-class Watcher:
-    """One open stream: what it may see, and the events it has yet to send (None ends it)."""
-
-    caller: Caller
-    authorization: str | None
-    organization_id: str | None  # None: every organization (an admin key)
-    job_type: str | None
-    resume: Position | None
-    # Each read's events for this watcher; the events themselves are shared by every watcher.
-    queue: asyncio.Queue[list[Event] | None] = field(default_factory=asyncio.Queue)
-    joined: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    bridge: tuple[str, datetime] | None = None  # where its replay ended (snapshot, time)
-    backlog: int = 0  # events queued and not yet taken
-    ended: bool = False
-
-    def end(self) -> None:
-        if not self.ended:
-            self.ended = True
-            self.queue.put_nowait(None)
-
-    async def next(self) -> bytes | None:
-        """The next chunk of the stream, None at its end."""
-        events = await self.queue.get()
-        if events is None:
-            return None
-        self.backlog -= len(events)
-        return b"".join(event.wire for event in events)
 
 
 @dataclass(frozen=True)
@@ -139,10 +153,15 @@ class Event:
     wire: bytes  # id, event and data lines, and the blank line
 
 
-def _event(row: DictRow, window: tuple[str, datetime, str, datetime]) -> Event:
+# An event a catch-up has yet to send: its window, time, lock id and kind.
+Key = tuple[Window, datetime, int, int]
+
+
+def _event(ids: EventIds, window: Window, at: datetime, rank: int, row: DictRow) -> Event:
+    """The event of kind `rank` at `at` in `window`, about the lock `row` reads."""
     lock = Lock.from_row(row)
-    kind, at = row["event"], utc(row["at"])
-    position = Position(*window, (lock.id, at, row["rank"]))
+    kind: EventType = KINDS[rank] if rank < END else row["release_reason"]
+    position = Position(window, (at, lock.id, rank))
     body: EventBody
     if kind == "acquired":
         reclaimed = None
@@ -154,32 +173,46 @@ def _event(row: DictRow, window: tuple[str, datetime, str, datetime]) -> Event:
         body = AcquiredEventBody(type=kind, at=at, lock=LockBody.of(lock), reclaimed=reclaimed)
     else:
         body = EventBody(type=kind, at=at, lock=LockBody.of(lock))
-    wire = f"id: {position.encode()}\nevent: {kind}\ndata: {body.model_dump_json()}\n\n".encode()
+    wire = f"id: {ids.encode(position)}\nevent: {kind}\ndata: {body.model_dump_json()}\n\n".encode()
     return Event(lock.organization_id, lock.job_type, wire)
 
 
-def _starts(
-    starts: list[tuple[str, datetime, str | None, str | None]],
-    seen: tuple[str, datetime] | None = None,
-    limit: int | None = None,
-) -> dict[str, list[Any]]:
-    """queries.EVENTS's parameters: for each start, its window's beginning and scope; seen and
-    limit for a replay (one more row than the limit tells that it was passed)."""
-    after, after_at, organization_id, job_type = (list(column) for column in zip(*starts, strict=True))
-    return {
-        "after": after,
-        "after_at": after_at,
-        "organization_id": organization_id,
-        "job_type": job_type,
-        "seen": [None if seen is None else seen[0]] * len(starts),
-        "seen_at": [None if seen is None else seen[1]] * len(starts),
-        "limit": [None if limit is None else limit + 1] * len(starts),
-    }
+@dataclass
+class Watcher:
+    """One open stream: what it may see, where it is, and what it has yet to send.
+
+    A fresh watcher joins at the reader's next window. A resumed one catches up (its `keys`, sent a
+    page at a time as the client takes them), then waits at its `bridge` for the reader's next
+    statement to read from there to the reader's window, and from then on is live."""
+
+    caller: Caller
+    authorization: str | None
+    organization_id: str | None  # None: every organization (an admin key)
+    job_type: str | None
+    resumed: bool = False
+    events: deque[Event] = field(default_factory=deque)
+    queued: int = 0  # bytes of `events`
+    keys: deque[Key] = field(default_factory=deque)  # a catch-up's events to send, in order
+    bridge: tuple[str, datetime] | None = None  # where its catch-up ended: snapshot and time
+    live: bool = False
+    joined: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # something to send, or the end
+    drained: asyncio.Event = field(default_factory=asyncio.Event)  # the client took every event
+    catching_up: asyncio.Task[None] | None = None
+    ended: bool = False
+    retry: bool = False  # ended for the memory it held: the client resumes
+
+    @property
+    def held(self) -> int:
+        """Bytes this stream holds in memory, about."""
+        return self.queued + len(self.keys) * KEY_BYTES
 
 
 class EventHub:
     """This process's event reader and its watchers. The reader runs only while someone watches,
-    and costs one statement per poll whatever their number."""
+    and costs one statement per poll whatever their number. What the watchers hold is counted in
+    bytes: a stream may hold `stream_bytes`, the process `memory_bytes`, of which an organization
+    its share (`organization_bytes`, or the memory divided among the organizations streaming)."""
 
     def __init__(
         self,
@@ -190,7 +223,9 @@ class EventHub:
         max_watchers: int,
         max_per_organization: int,
         replay_limit: int,
-        backlog: int,
+        stream_bytes: int,
+        memory_bytes: int,
+        organization_bytes: int,
         keep: timedelta | None,
         keepalive_seconds: float,
     ) -> None:
@@ -200,21 +235,32 @@ class EventHub:
         self.max_watchers = max_watchers
         self.max_per_organization = max_per_organization
         self.replay_limit = replay_limit
-        self.backlog = backlog
+        self.stream_bytes = stream_bytes
+        self.memory_bytes = memory_bytes
+        self.organization_bytes = organization_bytes
         self.keep = keep
         self.keepalive_seconds = keepalive_seconds
+        self._ids: EventIds | None = None
         self._watchers: list[Watcher] = []
         self._per_organization: Counter[str | None] = Counter()
+        self._held = 0
+        self._held_by_organization: Counter[str | None] = Counter()
         self._reader: asyncio.Task[None] | None = None
-        # Replays run on pooled connections: at most a few at once, so that requests keep theirs.
+        # Catch-ups read on pooled connections: a few at once, so that requests keep theirs.
         self._replays = asyncio.Semaphore(REPLAYS_AT_ONCE)
-        # One replay per organization at once (a lock for each organization that resumed).
+        # One catch-up statement per organization at once: an organization's many resumes queue
+        # behind each other, not in front of another organization's.
         self._replaying: defaultdict[str | None, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._closed = False
 
     @property
     def watching(self) -> int:
         return len(self._watchers)
+
+    @property
+    def held(self) -> int:
+        """Bytes every stream of this process holds, about."""
+        return self._held
 
     async def watch(
         self,
@@ -229,11 +275,12 @@ class EventHub:
         if organization_id is not None:
             caller.may_act_in(organization_id)
         scope = organization_id if organization_id is not None else caller.scope
-        resume = None if last_event_id is None else Position.decode(last_event_id)
+        ids = await self._event_ids()
+        resume = None if last_event_id is None else ids.decode(last_event_id)
         # Retention deletes what ended before now - keep: a window that opened before then may
         # have lost events. A minute's margin for the clocks of other machines.
         horizon = None if self.keep is None else datetime.now(UTC) - self.keep + timedelta(minutes=1)
-        if resume is not None and horizon is not None and resume.after_at < horizon:
+        if resume is not None and horizon is not None and resume.window.after_at < horizon:
             raise EventsExpired("it is older than what the database keeps")
         if self._closed:
             raise ShuttingDown()
@@ -241,46 +288,68 @@ class EventHub:
             raise TooManyWatchers(self.max_watchers)
         if self._per_organization[caller.organization_id] >= self.max_per_organization:
             raise OrganizationWatchersFull(self.max_per_organization)
-        watcher = Watcher(caller, authorization, scope, job_type, resume)
+        watcher = Watcher(caller, authorization, scope, job_type, resumed=resume is not None)
+        watcher.drained.set()
         self._watchers.append(watcher)
         self._per_organization[caller.organization_id] += 1
         try:
+            if self._held_by_organization[caller.organization_id] >= self._share(caller.organization_id):
+                raise OrganizationWatchersFull(self._share(caller.organization_id), "bytes of events held")
             if resume is not None:
-                await self._replay(watcher, resume)
-            if self._reader is None or self._reader.done():
-                self._reader = asyncio.create_task(self._read(), name="helix-locks-events")
-            await watcher.joined
+                await self._resume(watcher, resume)
+            self._start_reader()
+            if resume is None:
+                await watcher.joined
         except BaseException:
             self.leave(watcher)
             raise
         return watcher
 
     async def stream(self, watcher: Watcher) -> AsyncIterator[bytes]:
-        """The watcher's stream: its events as they come, a comment whenever it is quiet."""
+        """The watcher's stream: its events as the client takes them, a comment whenever it is
+        quiet, and `retry:` last if it was ended for what it held."""
         try:
             yield KEEP_ALIVE  # joined: the client may count on every change from here on
             while True:
+                chunk = self._take(watcher)
+                if chunk:
+                    yield chunk
+                    continue
+                if watcher.ended:
+                    if watcher.retry:
+                        yield RETRY
+                    return
+                watcher.drained.set()
                 try:
                     async with asyncio.timeout(self.keepalive_seconds):
-                        chunk = await watcher.next()
+                        await watcher.wake.wait()
                 except TimeoutError:
                     yield KEEP_ALIVE
                     continue
-                if chunk is None:
-                    return
-                yield chunk
+                watcher.wake.clear()
         finally:
             self.leave(watcher)
 
-    def leave(self, watcher: Watcher, why: LockError | None = None) -> None:
-        """End the watcher's stream; one still joining is answered `why` (by default 503)."""
+    def leave(self, watcher: Watcher, why: LockError | None = None, *, retry: bool = False) -> None:
+        """End the watcher's stream (with `retry:` if asked); one still joining is answered `why`
+        (by default 503)."""
         if not watcher.joined.done():
             watcher.joined.set_exception(why or DatabaseUnavailable("the stream ended as it began"))
             watcher.joined.exception()  # retrieved: its request may have gone already
         if watcher in self._watchers:
             self._watchers.remove(watcher)
             self._per_organization[watcher.caller.organization_id] -= 1
-        watcher.end()
+            if not self._per_organization[watcher.caller.organization_id]:
+                del self._per_organization[watcher.caller.organization_id]
+        if watcher.catching_up is not None and watcher.catching_up is not asyncio.current_task():
+            watcher.catching_up.cancel()
+        if not watcher.ended:
+            watcher.ended, watcher.retry = True, retry
+            self._hold(watcher, -watcher.held)
+            watcher.events.clear()
+            watcher.keys.clear()
+            watcher.queued = 0
+            watcher.wake.set()
 
     def close(self) -> None:
         """End every stream (the service is stopping) and the reader."""
@@ -290,32 +359,215 @@ class EventHub:
         if self._reader is not None:
             self._reader.cancel()
 
+    # What the streams hold.
+
+    def _hold(self, watcher: Watcher, size: int) -> None:
+        self._held += size
+        self._held_by_organization[watcher.caller.organization_id] += size
+        if not self._held_by_organization[watcher.caller.organization_id]:
+            del self._held_by_organization[watcher.caller.organization_id]
+
+    def _share(self, organization_id: str | None) -> int:
+        """What the organization's streams may hold in this process."""
+        if self.organization_bytes:
+            return self.organization_bytes
+        return self.memory_bytes // max(1, len(self._per_organization))
+
+    def _over(self, watcher: Watcher, size: int) -> bool:
+        """Whether `size` more bytes would pass the stream's, its organization's or the process's
+        bound."""
+        organization_id = watcher.caller.organization_id
+        return (
+            watcher.queued + size > self.stream_bytes
+            or self._held_by_organization[organization_id] + size > self._share(organization_id)
+            or self._held + size > self.memory_bytes
+        )
+
+    def _queue(self, watcher: Watcher, events: Sequence[Event], *, joining: bool = False) -> None:
+        """Queue events for the watcher. One that has left events unread, and that these would
+        take past a bound, is ended with `retry:` (it resumes from the last event it took, and
+        catches up a page at a time). A watcher that took everything always gets them, as does a
+        catch-up's page and a bridge (bounded by PAGE)."""
+        if not events or watcher.ended:
+            return
+        size = sum(len(event.wire) for event in events)
+        if not joining and watcher.queued and self._over(watcher, size):
+            self.leave(watcher, retry=True)
+            return
+        watcher.events.extend(events)
+        watcher.queued += size
+        self._hold(watcher, size)
+        watcher.drained.clear()
+        watcher.wake.set()
+
+    def _take(self, watcher: Watcher) -> bytes:
+        """Up to CHUNK bytes of the watcher's events (at least one), or nothing."""
+        taken: list[bytes] = []
+        size = 0
+        while watcher.events and (not taken or size + len(watcher.events[0].wire) <= CHUNK):
+            wire = watcher.events.popleft().wire
+            taken.append(wire)
+            size += len(wire)
+        watcher.queued -= size
+        self._hold(watcher, -size)
+        return b"".join(taken)
+
+    # Catching up.
+
+    async def _event_ids(self) -> EventIds:
+        if self._ids is None:
+            row = await self.db.fetch_first(queries.EVENT_ID_KEY, {})
+            self._ids = EventIds(bytes(row["key"]))
+        return self._ids
+
+    async def _resume(self, watcher: Watcher, resume: Position) -> None:
+        """Read what followed the resume's event, as keys to send: the rest of its window, then
+        from the window's end to now. Refused here, before the stream is answered: an id the
+        database has not reached, or more events than a replay may send."""
+        window = resume.window
+        rows = await self._catch_up_keys(
+            watcher,
+            [(window.after, window.until, resume.place), (window.until, None, None)],
+        )
+        until, until_at = rows[0]["snapshot"], rows[0]["until_at"]
+        if _xmax(window.until) > _xmax(until):
+            # A window this database has not reached: read before a failover to a standby that
+            # lacked the last transactions (asynchronous replication).
+            raise EventsExpired("the database has no such point in its history")
+        now = Window(window.until, window.until_at, until, until_at)
+        self._begin_catch_up(watcher, [window, now], rows, (until, until_at))
+
+    async def _catch_up_keys(
+        self,
+        watcher: Watcher,
+        windows: list[tuple[str, str | None, tuple[datetime, int, int] | None]],
+    ) -> list[DictRow]:
+        """queries.CATCH_UP for the windows (after, until or None for now, from a place or None):
+        its rows; EventsExpired past the replay limit."""
+        params = {
+            "after": [after for after, _, _ in windows],
+            "until": [until for _, until, _ in windows],
+            "from_at": [None if place is None else place[0] for _, _, place in windows],
+            "from_id": [None if place is None else place[1] for _, _, place in windows],
+            "from_rank": [None if place is None else place[2] for _, _, place in windows],
+            "organization_id": watcher.organization_id,
+            "job_type": watcher.job_type,
+            "limit": self.replay_limit,
+        }
+        async with self._turn(watcher):
+            try:
+                rows = await self.db.fetch_all(queries.CATCH_UP, params)
+            except InvalidRequest as exc:  # PostgreSQL refused a snapshot
+                raise InvalidArgument("Last-Event-ID", "not an event id of this service") from exc
+            except DatabaseUnavailable as exc:
+                if isinstance(exc.__cause__, psycopg.errors.QueryCanceled):
+                    raise EventsExpired("reading what followed it takes longer than a statement may") from exc
+                raise
+        if sum(row["id"] is not None for row in rows) > self.replay_limit:
+            raise EventsExpired(
+                f"more than {self.replay_limit} events followed it (HELIX_LOCKS_EVENTS_REPLAY_LIMIT)"
+            )
+        return rows
+
+    def _begin_catch_up(
+        self, watcher: Watcher, windows: list[Window], rows: list[DictRow], bridge: tuple[str, datetime]
+    ) -> None:
+        """Hold the catch-up's keys (row n is of windows[n - 1]) and send them a page at a time;
+        OrganizationWatchersFull if they would take the organization past its share."""
+        keys = [(windows[row["n"] - 1], utc(row["at"]), row["id"], row["rank"]) for row in rows if row["id"]]
+        organization_id = watcher.caller.organization_id
+        size = len(keys) * KEY_BYTES
+        if self._held_by_organization[organization_id] + size > self._share(organization_id):
+            raise OrganizationWatchersFull(self._share(organization_id), "bytes of events held")
+        watcher.keys.extend(keys)
+        self._hold(watcher, size)
+        watcher.bridge, watcher.live = bridge, False
+        watcher.catching_up = asyncio.create_task(self._catch_up(watcher), name="helix-locks-catch-up")
+
+    async def _catch_up(self, watcher: Watcher) -> None:
+        """Send the watcher's keys a page at a time, each once the client took the one before;
+        then it waits at its bridge for the reader. A lock that retention deleted meanwhile ends
+        the stream (its resume is then older than what the database keeps)."""
+        try:
+            ids = await self._event_ids()
+            while watcher.keys:
+                await watcher.drained.wait()
+                page = [watcher.keys[n] for n in range(min(PAGE, len(watcher.keys)))]
+                async with self._turn(watcher):
+                    rows = await self.db.fetch_all(queries.EVENT_LOCKS, {"ids": [key[2] for key in page]})
+                found = {row["id"]: row for row in rows}
+                if any(key[2] not in found for key in page):
+                    self.leave(watcher, retry=True)
+                    return
+                for _ in page:
+                    watcher.keys.popleft()
+                self._hold(watcher, -len(page) * KEY_BYTES)
+                events = [_event(ids, window, at, rank, found[lock_id]) for window, at, lock_id, rank in page]
+                self._queue(watcher, events, joining=True)
+            self._start_reader()
+        except LockError:  # the database is away: the client resumes from what it took
+            self.leave(watcher, retry=True)
+        except Exception:  # a bug: end the stream (it resumes) rather than leave it silent
+            logger.exception("event catch-up failed")
+            self.leave(watcher, retry=True)
+
+    @asynccontextmanager
+    async def _turn(self, watcher: Watcher) -> AsyncIterator[None]:
+        """A catch-up statement's turn: one of the organization's at once, REPLAYS_AT_ONCE in all;
+        TooManyWatchers if the turns ahead take longer than a statement's deadline."""
+        turn = self._replaying[watcher.caller.organization_id]
+        try:
+            async with asyncio.timeout(self.db.deadline_seconds):
+                await turn.acquire()
+                try:
+                    await self._replays.acquire()
+                except BaseException:
+                    turn.release()
+                    raise
+        except TimeoutError as exc:
+            raise TooManyWatchers(REPLAYS_AT_ONCE, "resumes being read") from exc
+        try:
+            yield
+        finally:
+            self._replays.release()
+            turn.release()
+
+    # The reader.
+
+    def _start_reader(self) -> None:
+        if self._watchers and (self._reader is None or self._reader.done()):
+            self._reader = asyncio.create_task(self._read(), name="helix-locks-events")
+
     async def _read(self) -> None:
         try:
             await self._read_windows()
         except Exception:  # a bug: end every stream (each resumes) rather than leave them silent
             logger.exception("event reader failed")
             for watcher in list(self._watchers):
-                self.leave(watcher, InternalError())
+                self.leave(watcher, InternalError(), retry=True)
 
     async def _read_windows(self) -> None:
-        """Read window after window while anyone watches; a failed read is tried again, and the
-        watchers wait meanwhile (their keep-alives go on)."""
+        """Read window after window while anyone watches, announcing the expiries a read found
+        due; a failed read is tried again, and the watchers wait meanwhile (their keep-alives go
+        on)."""
         window: tuple[str, datetime] | None = None
+        due = False
         checked = asyncio.get_running_loop().time()
         failures = 0
         while self._watchers:
             try:
+                if due:
+                    await self.db.fetch_first(queries.ANNOUNCE_EXPIRIES, {"limit": ANNOUNCE_AT_ONCE})
                 if window is None:
                     row = await self.db.fetch_first(queries.EVENTS_START, {})
-                    window = (row["snapshot"], row["until_at"])
+                    window, due = (row["snapshot"], row["until_at"]), False
                     self._join_fresh()
                 else:
-                    window = await self._next(window)
+                    window, due = await self._next(window)
                 failures = 0
             except LockError as exc:  # the database is away, or slow: try again
                 failures += 1
-                for watcher in [w for w in self._watchers if not w.joined.done()]:
+                for watcher in [w for w in self._watchers if not w.joined.done() and not w.resumed]:
                     self.leave(watcher, exc)
                 if failures == 1:
                     logger.warning("event reader could not read: %s", type(exc).__name__)
@@ -329,75 +581,24 @@ class EventHub:
 
     def _join_fresh(self) -> None:
         for watcher in self._watchers:
-            if watcher.resume is None and not watcher.joined.done():
+            if not watcher.resumed and not watcher.joined.done():
+                watcher.live = True
                 watcher.joined.set_result(None)
 
-    async def _replay(self, watcher: Watcher, resume: Position) -> None:
-        """What followed the resume's event, read by a statement of its own: a long replay delays
-        no one else's events, and a refused one fails alone. The watcher then waits for the
-        reader's next window to bridge from the replay's end."""
-        start = (resume.after, resume.after_at, watcher.organization_id, watcher.job_type)
-        params = _starts([start], seen=(resume.until, resume.until_at), limit=self.replay_limit)
-        # One replay of an organization at a time, and REPLAYS_AT_ONCE in all: an organization's
-        # many resumes queue behind each other, not in front of another organization's.
-        turn = self._replaying[watcher.caller.organization_id]
-        try:
-            async with asyncio.timeout(self.db.deadline_seconds):  # the replays ahead of it
-                await turn.acquire()
-                try:
-                    await self._replays.acquire()
-                except BaseException:
-                    turn.release()
-                    raise
-        except TimeoutError as exc:
-            raise TooManyWatchers(REPLAYS_AT_ONCE, "resumes being read") from exc
-        try:
-            rows = await self._replay_rows(params)
-        finally:
-            self._replays.release()
-            turn.release()
-        until, until_at = rows[0]["snapshot"], rows[0]["until_at"]
-        if _xmax(resume.until) > _xmax(until):
-            # A window this database has not reached: made up, or read before a failover to a
-            # standby that lacked the last transactions (asynchronous replication).
-            raise EventsExpired("the database has no such point in its history")
-        found = [row for row in rows if row["event"] is not None]
-        if len(found) > self.replay_limit:
-            raise EventsExpired(
-                f"more than {self.replay_limit} events followed it (HELIX_LOCKS_EVENTS_REPLAY_LIMIT)"
-            )
-        # Leave out what the stream had sent: the events of the window the id was read in, up to
-        # the id's own.
-        window = (resume.after, resume.after_at, until, until_at)
-        replayed = [
-            _event(row, window)
-            for row in found
-            if not (row["seen"] and resume.sent(row["id"], utc(row["at"]), row["rank"]))
-        ]
-        self._send(watcher, replayed, joining=True)
-        watcher.bridge = (until, until_at)
-
-    async def _replay_rows(self, params: dict[str, list[Any]]) -> list[DictRow]:
-        try:
-            return await self.db.fetch_all(queries.EVENTS, params)
-        except InvalidRequest as exc:  # PostgreSQL refused a snapshot
-            raise InvalidArgument("Last-Event-ID", "not an event id of this service") from exc
-        except DatabaseUnavailable as exc:
-            if isinstance(exc.__cause__, psycopg.errors.QueryCanceled):
-                raise EventsExpired("replaying what followed it takes longer than a statement may") from exc
-            raise
-
-    async def _next(self, window: tuple[str, datetime]) -> tuple[str, datetime]:
-        """Read the next window, send its events, and answer the resumes waiting; the new window."""
-        # A resumed watcher's replay ended at a snapshot of its own: the window from there to this
-        # read's joins it to the reader's windows (a few changes, read in the same statement).
-        bridging = [w for w in self._watchers if w.bridge is not None and not w.joined.done()]
-        starts: list[tuple[str, datetime, str | None, str | None]] = [(*window, None, None)]
-        for watcher in bridging:
-            assert watcher.bridge is not None
-            starts.append((*watcher.bridge, watcher.organization_id, watcher.job_type))
-        rows = await self.db.fetch_all(queries.EVENTS, _starts(starts))
-        until, until_at = rows[0]["snapshot"], rows[0]["until_at"]
+    async def _next(self, window: tuple[str, datetime]) -> tuple[tuple[str, datetime] | None, bool]:
+        """Read the next window, send its events, and bridge the catch-ups that ended; the new
+        window (None: start afresh) and whether expiries are due."""
+        bridging = [w for w in self._watchers if not w.live and w.bridge is not None and not w.keys]
+        bridging = [w for w in bridging if w.catching_up is None or w.catching_up.done()]
+        starts: list[tuple[str, str | None, str | None, int]] = [(window[0], None, None, self.replay_limit)]
+        starts += [(w.bridge[0], w.organization_id, w.job_type, PAGE) for w in bridging if w.bridge]
+        params = {
+            name: [start[n] for start in starts]
+            for n, name in enumerate(("after", "organization_id", "job_type", "limit"))
+        }
+        rows = await self.db.fetch_all(queries.EVENTS, params)
+        ids = await self._event_ids()
+        until, until_at, due = rows[0]["snapshot"], rows[0]["until_at"], rows[0]["due"]
         if _xmax(until) < _xmax(window[0]):
             # The database's history went back (a failover to a standby that lacked the last
             # transactions): windows of the old one would take new changes for seen. Every stream
@@ -405,12 +606,22 @@ class EventHub:
             logger.warning("event reader: the database's transaction ids went back; streams end")
             for watcher in list(self._watchers):
                 self.leave(watcher, DatabaseUnavailable("the database's history went back"))
-            return until, until_at
+            return (until, until_at), due
         by_start: dict[int, list[DictRow]] = {}
         for row in rows:
-            by_start.setdefault(row["n"], []).append(row)
-        read = (window[0], window[1], until, until_at)
-        live = [_event(row, read) for row in by_start[1] if row["event"] is not None]
+            if row["id"] is not None:
+                by_start.setdefault(row["n"], []).append(row)
+        if len(by_start.get(1, [])) > self.replay_limit:
+            # More changes than one read may hold (the reader was away a long time): every live
+            # stream resumes from what it took, a page at a time.
+            logger.warning(
+                "event reader: more than %d changes in one window; streams resume", self.replay_limit
+            )
+            for watcher in [w for w in self._watchers if w.live]:
+                self.leave(watcher, retry=True)
+            return None, due
+        read = Window(window[0], window[1], until, until_at)
+        live = [_event(ids, read, utc(row["at"]), row["rank"], row) for row in by_start.get(1, [])]
         # Sorted once by organization and by key, so that each watcher takes its share at the cost
         # of a lookup, however many watch.
         scopes: dict[tuple[str | None, str | None], list[Event]] = {(None, None): live}
@@ -419,30 +630,46 @@ class EventHub:
                 scopes.setdefault(scope, []).append(event)
             scopes.setdefault((event.organization_id, event.job_type), []).append(event)
         for watcher in list(self._watchers):
-            if watcher.joined.done():
-                self._send(watcher, scopes.get((watcher.organization_id, watcher.job_type), []))
+            if watcher.live:
+                self._queue(watcher, scopes.get((watcher.organization_id, watcher.job_type), []))
         for n, watcher in enumerate(bridging, start=2):
             assert watcher.bridge is not None
-            bridge = (*watcher.bridge, until, until_at)
-            found = [row for row in by_start.get(n, []) if row["event"] is not None]
-            self._send(watcher, [_event(row, bridge) for row in found], joining=True)
+            found = by_start.get(n, [])
+            if watcher.ended:
+                continue
+            bridge = Window(watcher.bridge[0], watcher.bridge[1], until, until_at)
+            if len(found) > PAGE:
+                # Too much came while it caught up: it catches up again, from its bridge to now.
+                self._catch_up_again(watcher)
+                continue
+            self._queue(
+                watcher,
+                [_event(ids, bridge, utc(row["at"]), row["rank"], row) for row in found],
+                joining=True,
+            )
+            watcher.live, watcher.bridge = True, None
             if not watcher.joined.done():
                 watcher.joined.set_result(None)
         self._join_fresh()
-        return until, until_at
+        return (until, until_at), due
 
-    def _send(self, watcher: Watcher, events: list[Event], *, joining: bool = False) -> None:
-        """Queue the events for the watcher; one that has left more than the backlog unread is
-        ended (it resumes from the last event it took). A read's events always reach a watcher
-        that has taken everything before them, and a replay and its bridge (joining, before the
-        watcher can read; bounded by the replay limit and one read) always reach it."""
-        if not events or watcher.ended:
-            return
-        if not joining and watcher.backlog and watcher.backlog + len(events) > self.backlog:
-            self.leave(watcher)
-            return
-        watcher.backlog += len(events)
-        watcher.queue.put_nowait(events)
+    def _catch_up_again(self, watcher: Watcher) -> None:
+        assert watcher.bridge is not None
+        bridge = watcher.bridge
+        watcher.bridge = None
+        watcher.catching_up = asyncio.create_task(
+            self._catch_up_from(watcher, bridge), name="helix-locks-catch-up"
+        )
+
+    async def _catch_up_from(self, watcher: Watcher, start: tuple[str, datetime]) -> None:
+        """Catch up from a bridge that carried too much: read its window to now, then send it."""
+        try:
+            rows = await self._catch_up_keys(watcher, [(start[0], None, None)])
+            bridge = (rows[0]["snapshot"], rows[0]["until_at"])
+            window = Window(start[0], start[1], *bridge)
+            self._begin_catch_up(watcher, [window], rows, bridge)
+        except LockError:  # too far behind, or the database is away: it resumes from what it took
+            self.leave(watcher, retry=True)
 
     async def _end_revoked(self) -> None:
         verdicts: dict[str | None, bool] = {}

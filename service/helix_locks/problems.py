@@ -257,11 +257,13 @@ KINDS: Mapping[type[LockError], Kind] = {
         "too-many-watchers-in-organization",
         "Too many watchers in this organization",
         "This organization already has as many event streams open in this service process as one may"
-        " have (HELIX_LOCKS_MAX_WATCHERS_PER_ORGANIZATION); try again after Retry-After.",
+        " have (HELIX_LOCKS_MAX_WATCHERS_PER_ORGANIZATION), or its streams there hold as many bytes of"
+        " events as its share (HELIX_LOCKS_EVENTS_ORGANIZATION_BYTES, by default"
+        " HELIX_LOCKS_EVENTS_MEMORY_BYTES divided among the organizations streaming); try again after"
+        " Retry-After.",
         OrganizationWatchersFull(100),
         lambda exc: (
-            f"This organization already has {exc.limit} event streams open in this service process;"
-            " try again."
+            f"This organization already has {exc.limit} {exc.what} in this service process; try again."
         ),
         headers=_SOON,
     ),

@@ -327,34 +327,82 @@ INSERT INTO helix_schema_migrations (name, checksum) VALUES (%(name)s, %(checksu
 # GET /v1/events (migration 0016): where the event reader starts, the database's snapshot and time.
 EVENTS_START = "SELECT pg_current_snapshot()::text AS snapshot, clock_timestamp() AS until_at"
 
-# One window of events for each start point: the reader's own, and any resume's. One statement,
-# so one snapshot closes them all; a start point with no events still gives a row (n, nulls).
-EVENTS = """
-SELECT now.snapshot::text AS snapshot, now.until_at, a.n,
-       e.event, e.at, e.rank, e.seen, e.id, e.organization_id, e.job_type, e.holder,
-       e.fencing_token, e.acquired_at, e.expires_at, e.released_at, e.release_reason, e.state,
-       e.ttl_remaining_ms, e.metadata, k.max_holders, k.slot,
-       CASE WHEN e.release_reason = 'forced' THEN k.forced_by END AS forced_by,
-       e.reclaimed_lock_id, e.reclaimed_holder, e.reclaimed_expired_at
-FROM (SELECT pg_current_snapshot() AS snapshot, clock_timestamp() AS until_at) AS now
-CROSS JOIN unnest(
-    %(after)s::text[], %(after_at)s::timestamptz[], %(organization_id)s::text[],
-    %(job_type)s::text[], %(seen)s::text[], %(seen_at)s::timestamptz[], %(limit)s::integer[]
-) WITH ORDINALITY AS a (after, after_at, organization_id, job_type, seen, seen_at, lim, n)
+# The key that signs event ids (migration 0019).
+EVENT_ID_KEY = "SELECT key FROM helix_event_id_key"
+
+# The expiries due, announced by this reader's transaction (0019): at most this many at once.
+ANNOUNCE_EXPIRIES = "SELECT helix_announce_expiries(%(limit)s) AS announced"
+
+# What an event sends of its lock: the lock as it is now, and what only the row says.
+_EVENT_LOCK = """v.id, v.organization_id, v.job_type, v.holder, v.fencing_token, v.acquired_at,
+       v.expires_at, v.released_at, v.release_reason, v.state, v.ttl_remaining_ms, v.metadata,
+       v.max_holders, v.slot, CASE WHEN v.release_reason = 'forced' THEN k.forced_by END AS forced_by,
+       k.reclaimed_lock_id, k.reclaimed_holder, k.reclaimed_expired_at"""
+
+# The reader's poll: its own window from the snapshot it read last to this statement's, and a
+# window for each resumed watcher from where its catch-up ended (its bridge); one statement, so
+# one snapshot closes them all, and a start with no events still gives a row (n, nulls). Each
+# start reads at most its limit (plus one, which tells that the limit was passed). due: an expiry
+# waits for its announcement (helix_announce_expiries), read on the index of those alone.
+EVENTS = (
+    """
+SELECT now.snapshot::text AS snapshot, now.until_at, now.due, a.n, e.at, e.rank, """
+    + _EVENT_LOCK
+    + """
+FROM (
+    SELECT pg_current_snapshot() AS snapshot, clock_timestamp() AS until_at,
+           coalesce((SELECT min(d.expires_at) FROM helix_job_locks AS d
+                     WHERE d.released_at IS NULL AND d.expired_xid IS NULL) <= clock_timestamp(),
+                    false) AS due
+) AS now
+CROSS JOIN unnest(%(after)s::text[], %(organization_id)s::text[], %(job_type)s::text[], %(limit)s::integer[])
+    WITH ORDINALITY AS a (after, organization_id, job_type, lim, n)
 LEFT JOIN LATERAL (
-    SELECT * FROM helix_lock_events(
-        a.after::pg_snapshot, a.after_at, now.until_at, a.organization_id, a.job_type,
-        a.seen::pg_snapshot, a.seen_at
-    )
-    LIMIT a.lim
+    SELECT w.at, w.id, w.rank
+    FROM helix_window_events(a.after::pg_snapshot, now.snapshot, a.organization_id, a.job_type) AS w
+    ORDER BY w.at, w.id, w.rank
+    LIMIT a.lim + 1
 ) AS e ON true
--- A lock's max_holders and slot never change (migration 0017): any version of its row says them;
--- forced_by is set once, with release_reason 'forced'.
+-- The view reads the clock, so it is not merged into a join: asked for each event's lock alone
+-- (joined by id, it would be read whole).
+LEFT JOIN LATERAL (SELECT * FROM helix_job_lock_views AS l WHERE l.id = e.id) AS v ON true
 LEFT JOIN helix_job_locks AS k ON k.id = e.id
--- By time, then lock id and kind: a key's events in commit order. A grant reads the clock only
--- once every earlier change of the key's live locks has committed (0017 waits for their row
--- locks), and a lock's own changes are serialised by its row lock; changes of two slots that wait
--- for nothing of each other come in the order of their clocks. (Sorted by lock id, as 0016 has
--- it, a semaphore's overlapping slots came one lock after the other.)
+-- By time, then lock id and kind: a key's events in commit order (0017, 0019).
 ORDER BY a.n, e.at, e.id, e.rank
 """
+)
+
+# A catch-up's windows, each (after, until] with until NULL for this statement's own snapshot,
+# from a place on (the events after it, in the order above), as (time, lock id, kind) alone: a
+# catch-up sends their locks a page at a time (EVENT_LOCKS). One statement, so that the last
+# window ends at the snapshot it returns. At most limit + 1 rows per window.
+CATCH_UP = """
+SELECT now.snapshot::text AS snapshot, now.until_at, a.n, e.at, e.id, e.rank
+FROM (SELECT pg_current_snapshot() AS snapshot, clock_timestamp() AS until_at) AS now
+CROSS JOIN unnest(
+    %(after)s::text[], %(until)s::text[], %(from_at)s::timestamptz[], %(from_id)s::bigint[],
+    %(from_rank)s::integer[]
+) WITH ORDINALITY AS a (after, until, from_at, from_id, from_rank, n)
+LEFT JOIN LATERAL (
+    SELECT w.at, w.id, w.rank
+    FROM helix_window_events(
+        a.after::pg_snapshot, coalesce(a.until::pg_snapshot, now.snapshot),
+        %(organization_id)s, %(job_type)s
+    ) AS w
+    WHERE a.from_at IS NULL OR (w.at, w.id, w.rank) > (a.from_at, a.from_id, a.from_rank)
+    ORDER BY w.at, w.id, w.rank
+    LIMIT %(limit)s + 1
+) AS e ON true
+ORDER BY a.n, e.at, e.id, e.rank
+"""
+
+# A page of a catch-up: the locks its events are about.
+EVENT_LOCKS = (
+    "SELECT "
+    + _EVENT_LOCK
+    + """
+FROM helix_job_lock_views AS v
+JOIN helix_job_locks AS k ON k.id = v.id
+WHERE v.id = ANY (%(ids)s::bigint[])
+"""
+)

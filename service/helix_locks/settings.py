@@ -55,9 +55,14 @@ class Settings(BaseSettings):
     max_watchers_per_organization: int = Field(default=1_000, ge=0)
     # A resume (Last-Event-ID) replays at most this many events; more are refused with 410.
     events_replay_limit: int = Field(default=10_000, ge=1)
-    # Events a watcher has not yet taken; a watcher that falls further behind is disconnected,
-    # and resumes with Last-Event-ID.
-    events_backlog: int = Field(default=10_000, ge=1)
+    # Bytes of events one stream may hold unsent; a watcher that falls further behind is ended
+    # with `retry:`, and resumes with Last-Event-ID (a page at a time).
+    events_stream_bytes: int = Field(default=1024 * 1024, ge=64 * 1024)
+    # Bytes of events every stream of one process may hold together, and one organization's
+    # streams at most (0: this divided among the organizations streaming); past its share, an
+    # organization's new streams get 429 and its streams that fall behind are ended.
+    events_memory_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
+    events_organization_bytes: int = Field(default=0, ge=0)
     # Live locks (held, or lapsed and not yet reclaimed) of one organization; beyond it, 429
     # (locks.py, LiveLockQuota: counted far from it, exact near it).
     max_live_locks_per_organization: int = Field(default=10_000, ge=1)
