@@ -5,9 +5,10 @@
 
 (from the repository root). Four figures:
 
-1. No watcher: acquire+release cycles/s at 32 clients, before migration 0016 (A) and with it (B).
-   A is the code of the newest commit without migrations/0016_lock_events.sql (HEAD while the
-   feature is uncommitted; --base to choose), exported with `git archive` into the run's directory
+1. No watcher: acquire+release cycles/s at 32 clients, before a migration (A) and with it (B):
+   by default 0016, which made the stream (issue 20); `--since 0019` for its remaking (issue 34).
+   A is the code of the newest commit without that migration (HEAD while it is uncommitted;
+   --base to choose), exported with `git archive` into the run's directory
    and served from there (PYTHONPATH ahead of the editable install), on a database of its own
    migrated by that code, so up to 0015. B is this tree. Both `serve --workers 2` on one server,
    seeded alike; pgbench runs the same two function calls on each database, since the HTTP path may
@@ -65,7 +66,7 @@ from bench.servers import create_key, service_process
 from bench.waiters import Counts, counts, meter_database
 from tests.support import Watch, rss_mb
 
-MIGRATION = "migrations/0016_lock_events.sql"
+MIGRATIONS = {"0016": "migrations/0016_lock_events.sql", "0019": "migrations/0019_expiries_announced.sql"}
 # The event reader's statements (queries.EVENTS_START, queries.EVENTS): their calls and time.
 READER_TIME = """SELECT coalesce(sum(s.calls), 0), coalesce(sum(s.total_exec_time), 0)
 FROM pg_stat_statements AS s JOIN pg_database AS d ON d.oid = s.dbid
@@ -328,7 +329,7 @@ async def latency_run(write_url: str, watch_url: str, key: str, cycles: int, gap
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench.events",
-        description="What GET /v1/events costs: cycles/s before migration 0016 and with it, with 100"
+        description="What GET /v1/events costs: cycles/s before a migration (--since) and with it, with 100"
         " watchers, statements/s and RSS with up to 1,000 watchers on one process, and the latency"
         " from a change to a watcher on another replica.",
     )
@@ -344,7 +345,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--live", type=int, default=10_000, help="live locks seeded (default: 10000)")
     parser.add_argument("--idle", type=float, help="seconds counted idle per step (default: 10; --quick 4)")
     parser.add_argument("--events", type=int, help="cycles timed for latency (default: 300; --quick 100)")
-    parser.add_argument("--base", help="the commit measured as before (default: the one before 0016's)")
+    parser.add_argument(
+        "--since", choices=sorted(MIGRATIONS), default="0016", help="the migration B has and A lacks"
+    )
+    parser.add_argument("--base", help="the commit measured as before (default: the one before --since's)")
     args = parser.parse_args(argv)
     quick = args.quick
     args.rounds = args.rounds or (1 if quick else 3)
@@ -478,9 +482,9 @@ def report(args: argparse.Namespace, setup: list[str], out: Figures) -> str:
     for name, results in out.rounds.items():
         other = rates["pgbench B"] if name.startswith("pgbench") else b
         label = {
-            "A": "A: before 0016 (HTTP)",
-            "B": "B: with 0016, 0 watchers (HTTP)",
-            "B+watchers": f"B: with 0016, {args.watchers} watchers (HTTP)",
+            "A": f"A: before {args.since} (HTTP)",
+            "B": f"B: with {args.since}, 0 watchers (HTTP)",
+            "B+watchers": f"B: with {args.since}, {args.watchers} watchers (HTTP)",
             "pgbench A": "pgbench on A's database",
             "pgbench B": "pgbench on B's database",
         }[name]
@@ -548,7 +552,9 @@ def main(argv: list[str] | None = None) -> int:
         database = cleanup.enter_context(bench_database(workdir))
         url = database[0]
         meter_url = meter_database(url, workdir / "pgdata", cleanup)
-        before = before_and_after(database, workdir, args.base, MIGRATION, (args.history, args.live), cleanup)
+        before = before_and_after(
+            database, workdir, args.base, MIGRATIONS[args.since], (args.history, args.live), cleanup
+        )
         base_db_url, base_env = before.url, before.env
         setup += before.setup
         log(setup[-1])
