@@ -1,6 +1,11 @@
-"""Drives a running Helix Locks deployment through its balancer, as scripts/compose-smoke does.
+"""Drives a running Helix Locks deployment through its balancer, as scripts/compose-smoke does,
+then asks PostgreSQL, from inside a replica, what the replicas' database role may do.
 
-    python3 deploy/smoke/check.py http://127.0.0.1:8080 KEY_FILE   # the admin key compose stored
+    python3 deploy/smoke/check.py http://127.0.0.1:8080 KEY_FILE IN_REPLICA...
+
+KEY_FILE holds the admin key compose stored. IN_REPLICA is a command that runs, in one of the
+replicas, the Python program it reads on standard input (`podman exec -i CONTAINER python3 -`):
+replica_role.py then connects with the replica's own DATABASE_URL, as the replica does.
 
 Standard library only, so it runs before any virtual environment exists. Exits non-zero on the
 first thing that is not as the contract says.
@@ -10,16 +15,19 @@ from __future__ import annotations
 
 import json
 import queue
+import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
-if len(sys.argv) != 3:
+if len(sys.argv) < 4:
     sys.exit(__doc__)
 BASE = sys.argv[1].rstrip("/")
+IN_REPLICA = sys.argv[3:]
 # From a file: argv is for everyone to see in `ps`.
 with open(sys.argv[2]) as key_file:
     KEY = key_file.read().strip()
@@ -194,6 +202,38 @@ def events_across_replicas() -> None:
     stream.close()
 
 
+def database_role() -> None:
+    """The replicas' database role is no superuser, may create nothing (no DDL) and owns nothing;
+    the schema belongs to another role, no superuser either (the one migrate runs as)."""
+    program = Path(__file__).with_name("replica_role.py").read_text()
+    ran = subprocess.run(IN_REPLICA, input=program, capture_output=True, text=True, timeout=60)
+    if ran.returncode != 0:
+        sys.exit(f"compose-smoke: FAILED: asking PostgreSQL from a replica: {ran.stderr.strip()}")
+    facts = json.loads(ran.stdout)
+    user = facts["user"]
+    expect(
+        not facts["superuser"] and not facts["creates_roles_or_databases"],
+        f"the replicas connect to PostgreSQL as {user}, "
+        + ("a superuser" if facts["superuser"] else "no superuser")
+        + (", who may create roles or databases" if facts["creates_roles_or_databases"] else ""),
+    )
+    expect(
+        facts["create_table"].startswith("42501 "),
+        f"CREATE TABLE in schema {facts['schema']} as {user}: {facts['create_table']}",
+    )
+    creates = ["schemas"] * facts["creates_schemas"] + [f"objects in {n}" for n in facts["creates_in"]]
+    expect(
+        not creates,
+        f"{user} may create " + (", ".join(creates) or "no schema, and no object in any schema"),
+    )
+    expect(facts["owns"] == 0, f"{user} owns {facts['owns']} tables, functions or schemas")
+    expect(
+        facts["owner"] != user and not facts["owner_superuser"],
+        f"schema {facts['schema']} belongs to {facts['owner']}, "
+        + ("a superuser" if facts["owner_superuser"] else "no superuser"),
+    )
+
+
 def main() -> None:
     deadline = time.monotonic() + 120
     while True:
@@ -241,6 +281,7 @@ def main() -> None:
     upstreams = {call("GET", "/healthz")[2]["X-Helix-Upstream"] for _ in range(20)}
     expect(len(upstreams) >= 2, f"requests were answered by {len(upstreams)} replicas: {sorted(upstreams)}")
     events_across_replicas()
+    database_role()
 
 
 if __name__ == "__main__":
