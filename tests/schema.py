@@ -64,8 +64,13 @@ WHERE i.indrelid = %(table)s
                   WHERE k.conindid = i.indexrelid AND k.contype IN ('p', 'u', 'x'))
 ORDER BY c.relname
 """
+# Each trigger, and what COMMENT ON says of it.
 _TRIGGERS = """
-SELECT pg_catalog.pg_get_triggerdef(g.oid, true) || ';' FROM pg_catalog.pg_trigger AS g
+SELECT pg_catalog.pg_get_triggerdef(g.oid, true) || ';'
+       || coalesce(E'\n' || 'COMMENT ON TRIGGER ' || pg_catalog.quote_ident(g.tgname) || ' ON '
+                   || g.tgrelid::pg_catalog.regclass::text || ' IS '
+                   || pg_catalog.quote_literal(pg_catalog.obj_description(g.oid, 'pg_trigger')) || ';', '')
+FROM pg_catalog.pg_trigger AS g
 WHERE g.tgrelid = %(table)s AND NOT g.tgisinternal ORDER BY g.tgname
 """
 _VIEWS = """
@@ -73,18 +78,22 @@ SELECT 'CREATE VIEW ' || pg_catalog.quote_ident(c.relname) || ' AS' || E'\n'
        || pg_catalog.rtrim(pg_catalog.pg_get_viewdef(c.oid, true), ';') || ';'
 FROM pg_catalog.pg_class AS c WHERE c.relnamespace = %(ns)s AND c.relkind = 'v' ORDER BY c.relname
 """
-# Each function, and who may call it: PUBLIC, unless revoked (migration 0009).
+# Each function, who may call it (PUBLIC, unless revoked: migration 0009), and what COMMENT ON
+# says of it.
 _FUNCTIONS = """
 SELECT pg_catalog.rtrim(pg_catalog.pg_get_functiondef(p.oid), E'\n') || ';'
        || CASE WHEN pg_catalog.has_function_privilege('public', p.oid, 'EXECUTE') THEN ''
           ELSE E'\n' || 'REVOKE EXECUTE ON FUNCTION ' || p.oid::pg_catalog.regprocedure::text
                || ' FROM PUBLIC;' END
+       || coalesce(E'\n' || 'COMMENT ON FUNCTION ' || p.oid::pg_catalog.regprocedure::text || ' IS '
+                   || pg_catalog.quote_literal(pg_catalog.obj_description(p.oid, 'pg_proc')) || ';', '')
 FROM pg_catalog.pg_proc AS p
 WHERE p.pronamespace = %(ns)s
 ORDER BY p.proname, pg_catalog.pg_get_function_identity_arguments(p.oid) COLLATE "C"
 """
 # What the queries above leave out: relations other than tables, their indexes, views and the
-# sequences of identity columns; types other than relations' row types and their arrays.
+# sequences of identity columns; types other than relations' row types and their arrays; comments
+# on anything but functions and triggers.
 _UNRENDERED = """
 SELECT 'relation ' || c.relname || ' (relkind ' || c.relkind::text || ')' FROM pg_catalog.pg_class AS c
 WHERE c.relnamespace = %(ns)s AND c.relkind NOT IN ('r', 'i', 'v')
@@ -94,6 +103,11 @@ UNION ALL
 SELECT 'type ' || t.typname FROM pg_catalog.pg_type AS t
 WHERE t.typnamespace = %(ns)s AND t.typrelid = 0
   AND NOT EXISTS (SELECT FROM pg_catalog.pg_type AS e WHERE e.oid = t.typelem AND e.typrelid <> 0)
+UNION ALL
+SELECT 'the comment on ' || pg_catalog.pg_describe_object(d.classoid, d.objoid, d.objsubid)
+FROM pg_catalog.pg_description AS d
+WHERE d.classoid NOT IN ('pg_catalog.pg_proc'::regclass, 'pg_catalog.pg_trigger'::regclass)
+  AND (pg_catalog.pg_identify_object(d.classoid, d.objoid, d.objsubid)).schema = %(schema)s
 """
 
 
@@ -138,7 +152,7 @@ def document(conninfo: str) -> str:
         ).fetchone()
         assert row is not None, "no helix_schema_migrations: the database is not migrated"
         ns, schema = row
-        unrendered = [what for (what,) in conn.execute(_UNRENDERED, {"ns": ns})]
+        unrendered = [what for (what,) in conn.execute(_UNRENDERED, {"ns": ns, "schema": schema})]
         assert unrendered == [], f"tests/schema.py does not render {', '.join(unrendered)}: teach it"
         # Names in the installation's schema print unqualified wherever the catalog allows.
         conn.execute("SELECT pg_catalog.set_config('search_path', quote_ident(%s), false)", (schema,))
