@@ -4,12 +4,14 @@ cut off, and a normal client beside them gets every answer in time."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import statistics
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -463,3 +465,34 @@ def test_an_answer_read_too_slowly_is_cut_off_too(db_url: str, tmp_path: Path) -
             took = time.monotonic() - started
     assert closed, f"still served after {took:.0f} s, {received} bytes read"
     assert received < 4_000_000 and took < 10, (received, took)
+
+
+def _post_json(port: int, body: bytes) -> tuple[int, dict[str, Any], int]:
+    """A JSON body posted to /v1/locks: the status, the answer's body, and its size in bytes."""
+    head = "POST /v1/locks HTTP/1.1\nHost: localhost\nContent-Type: application/json\n"
+    head += f"Content-Length: {len(body)}\n"
+    status, got = _raw(port, head, body)
+    payload = got.split(b"\r\n\r\n", 1)[1]
+    return status, json.loads(payload), len(payload)
+
+
+def test_metadata_that_swells_as_stored_is_refused_so_no_answer_carries_it(
+    service: tuple[str, int, int],
+) -> None:
+    """Issue 34, item 7: `{"a": [1e308, ... 1160 times]}` is 8,127 bytes as sent, but jsonb stores each
+    number as numeric and writes it back whole (309 digits), so the lock's every answer (the
+    grant, GET, a page of 150 of them: 54 MB) was 44 times larger. Bounded as stored, it is a small
+    422 naming metadata, and nothing is stored to be answered later; 1e-300 alike."""
+    url, port, _ = service
+    for number in ("1e308", "1e-300"):
+        numbers = ",".join([number] * 1160)
+        body = (
+            '{"organization_id": "acme", "job_type": "swollen", "holder": "w", "ttl_seconds": 60,'
+            f' "metadata": {{"a": [{numbers}]}}}}'
+        ).encode()
+        status, problem, size = _post_json(port, body)
+        assert status == 422, problem
+        assert [error["field"] for error in problem["errors"]] == ["metadata"]
+        assert size < 1000
+    with httpx.Client(base_url=url, timeout=5) as http:
+        assert http.get("/v1/locks").json()["items"] == [], "nothing was stored"

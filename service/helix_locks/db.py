@@ -95,7 +95,7 @@ POOLER_WITHOUT_DIRECT_URL = (
 # SQLSTATE -> domain error. The codes are raised by the functions in migrations/.
 SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "23505": _lock_held,
-    "22023": _invalid,
+    "22023": _invalid,  # a value out of range, its COLUMN the field: ttl, max_holders, metadata (0021)
     "22P02": _invalid,  # a value PostgreSQL cannot read as its type (an event id's snapshot)
     "HL001": lambda exc: LockNotFound(),
     "HL002": _token_mismatch,

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import math
 from datetime import datetime
+from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from helix_locks.locks import Grant, Lock, Renewal, State, storable_text
 
+# Metadata as stored (stored_bytes), which is what every answer carries back; migration 0021
+# holds the database to the same bound.
 METADATA_MAX_BYTES = 8 * 1024
 # Deeper JSON than this is refused: it could be stored but not serialized back (pydantic stops
 # at a depth of a few hundred), and no worker needs it.
@@ -30,29 +33,54 @@ def _storable(value: str) -> str:
     return value
 
 
-def _check_json(value: Any, depth: int = 1) -> None:
+def _check_json(value: Any, depth: int = 1) -> int:
+    """Refuse what PostgreSQL cannot store or pydantic cannot write back; return how many more
+    bytes its numbers take as stored than as json.dumps writes them."""
     if depth > METADATA_MAX_DEPTH:
         raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
     if isinstance(value, str):
         _storable(value)
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ValueError("numbers must be finite")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("numbers must be finite")
+        return _numeric_length(value) - len(repr(value))
     elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_json(key, depth + 1)
-            _check_json(item, depth + 1)
+        return sum(_check_json(key, depth + 1) + _check_json(item, depth + 1) for key, item in value.items())
     elif isinstance(value, list):
-        for item in value:
-            _check_json(item, depth + 1)
+        return sum(_check_json(item, depth + 1) for item in value)
+    return 0
+
+
+def _numeric_length(number: float) -> int:
+    """How many characters PostgreSQL's numeric writes the float in: every digit, no exponent
+    (1e308: 309 digits; 1.5e-07: 0.00000015), no sign on zero. The digits are repr's, which
+    json.dumps sends (psycopg's Jsonb), and numeric keeps them all, and as many decimals as the
+    exponent implies."""
+    sign, digits, exponent = Decimal(repr(number)).as_tuple()
+    assert isinstance(exponent, int)  # a finite number's
+    if exponent >= 0:
+        length = len(digits) + exponent  # the digits, then zeros
+    elif len(digits) > -exponent:
+        length = len(digits) + 1  # a point among the digits
+    else:
+        length = 2 - exponent  # "0.", zeros, the digits
+    return length + (1 if sign and number != 0 else 0)
+
+
+def stored_bytes(metadata: dict[str, Any]) -> int:
+    """The size of metadata as PostgreSQL stores it, and every answer carries it back: jsonb::text,
+    which puts ", " and ": " between items and writes every number in full (migration 0021 holds
+    the database to the same bound). ValueError for what cannot be stored at all."""
+    swell = _check_json(metadata)
+    return len(json.dumps(metadata, ensure_ascii=False).encode()) + swell
 
 
 def _metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
     if value is None:
         return None
-    _check_json(value)
-    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+    size = stored_bytes(value)
     if size > METADATA_MAX_BYTES:
-        raise ValueError(f"must be at most {METADATA_MAX_BYTES} bytes serialized, is {size}")
+        raise ValueError(f"must be at most {METADATA_MAX_BYTES} bytes as stored, is {size}")
     return value
 
 
@@ -105,7 +133,9 @@ Metadata = Annotated[
     dict[str, Any] | None,
     AfterValidator(_metadata),
     Field(
-        description="Any JSON object, at most 8 KiB serialized; stored and returned as given.",
+        description="Any JSON object, at most 8 KiB (8192 bytes) as stored, whatever its size as sent:"
+        " as PostgreSQL's jsonb writes it, with ', ' and ': ' between items and every number in full"
+        " (1e308 is 309 digits). Returned as stored.",
         examples=[{"run": "2026-11-30", "attempt": 1}],
     ),
 ]
