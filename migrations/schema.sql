@@ -203,14 +203,20 @@ BEGIN
                           'max_holders', v_in_force,
                           'max_holders_in_force',
                               CASE WHEN v_in_force <> p_max_holders THEN v_in_force END,
+                          -- At most 20, those whose leases run out first, and how many (0021).
                           'holders', (
                               SELECT json_agg(json_build_object(
                                   'lock_id', h.id, 'holder', h.holder, 'slot', h.slot,
                                   'expires_at', h.expires_at
-                              ) ORDER BY h.slot)
-                              FROM unnest(v_live) AS h
-                              WHERE h.expires_at > v_now
-                          )
+                              ) ORDER BY h.expires_at, h.slot)
+                              FROM (
+                                  SELECT * FROM unnest(v_live) AS u
+                                  WHERE u.expires_at > v_now
+                                  ORDER BY u.expires_at, u.slot
+                                  LIMIT 20
+                              ) AS h
+                          ),
+                          'holders_total', v_held
                       )::text;
         ELSE
             -- The lowest slot that no unreleased lock of this value holds; else the slot of the
@@ -255,6 +261,7 @@ BEGIN
         WHERE v.id = v_id;
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_acquire_job_lock(text,text,text,bigint,jsonb,text,integer) FROM PUBLIC;
+COMMENT ON FUNCTION helix_acquire_job_lock(text,text,text,bigint,jsonb,text,integer) IS 'Grants a free slot of the pair, reclaiming expired locks, in one statement; or raises 23505 whose DETAIL names the lock whose lease runs out first and lists at most 20 holders, those whose leases run out first, with holders_total (0021): an answer bounded whatever max_holders.';
 
 CREATE OR REPLACE FUNCTION public.helix_acquire_job_lock_within_quota(p_organization_id text, p_job_type text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text, p_quota integer, p_max_holders integer DEFAULT 1)
  RETURNS TABLE(id bigint, organization_id text, job_type text, holder text, fencing_token bigint, acquired_at timestamp with time zone, expires_at timestamp with time zone, released_at timestamp with time zone, release_reason text, state text, ttl_remaining_ms bigint, metadata jsonb, max_holders integer, slot integer, token text, reclaimed_lock_id bigint, reclaimed_holder text, reclaimed_expired_at timestamp with time zone)

@@ -826,3 +826,30 @@ def test_a_row_stored_over_the_bound_before_it_still_renews_ends_and_is_reclaime
     successor = acquire(conn, key=("org", "reclaimed"))
     assert successor["reclaimed_lock_id"] == reclaimed["id"]
     assert update(conn, successor["id"], successor["token"], {"small": True})["metadata"] == {"small": True}
+
+
+def test_a_full_pairs_refusal_names_at_most_20_holders_those_expiring_first(conn: Conn) -> None:
+    """23505's DETAIL, as a worker with its own SQL reads it: the 20 held locks whose leases run
+    out first (by expires_at, then slot), holders_total counting every one, and lock_id naming the
+    first (issue 34, item 11)."""
+    slots = 30
+    grants = [
+        acquire(conn, f"w{n}", ttl_ms=60_000 + 1000 * ((11 * n) % slots), key=SEMAPHORE, max_holders=slots)
+        for n in range(slots)
+    ]
+    conn.execute(  # three leases that end first, at one moment (slot 0's): by slot, then
+        "UPDATE helix_job_locks SET expires_at = (SELECT min(expires_at) FROM helix_job_locks)"
+        " WHERE id IN (%s, %s)",
+        (grants[9]["id"], grants[3]["id"]),
+    )
+    held = sorted(
+        (row(conn, grant["id"]) for grant in grants), key=lambda lock: (lock["expires_at"], lock["slot"])
+    )
+    with pytest.raises(errors.UniqueViolation) as refused:
+        acquire(conn, "late", key=SEMAPHORE, max_holders=slots)
+    detail = json.loads(refused.value.diag.message_detail or "")
+    listed = [(h["lock_id"], h["slot"]) for h in detail["holders"]]
+    assert listed == [(lock["id"], lock["slot"]) for lock in held[:20]]
+    assert [slot for _, slot in listed[:3]] == [0, 3, 9]
+    assert detail["holders_total"] == slots
+    assert detail["lock_id"] == held[0]["id"] and detail["max_holders"] == slots

@@ -51,16 +51,19 @@ def _lock_held(exc: psycopg.Error) -> LockError:
     detail = _detail(exc)
     if detail.get("max_holders_in_force") is not None:
         return MaxHoldersMismatch(int(detail["max_holders_in_force"]))
+    holders = [
+        Holder(h["lock_id"], h["holder"], h["slot"], datetime.fromisoformat(h["expires_at"]))
+        for h in detail.get("holders") or ()
+    ]
     return LockHeld(
         lock_id=detail.get("lock_id"),
         holder=detail.get("holder"),
         expires_at=_time(detail.get("expires_at")),
         retry_after_seconds=int(detail.get("retry_after_seconds", 1)),
-        holders=[
-            Holder(h["lock_id"], h["holder"], h["slot"], datetime.fromisoformat(h["expires_at"]))
-            for h in detail.get("holders") or ()
-        ],
+        holders=holders,
         max_holders=int(detail.get("max_holders") or 1),
+        # Listed only in part since 0021; before it, every holder was listed.
+        holders_total=int(detail.get("holders_total") or len(holders)),
     )
 
 

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from helix_locks.errors import HOLDERS_LISTED
 from helix_locks.locks import Grant, Lock, Renewal, State, storable_text
 
 # Metadata as stored (stored_bytes), which is what every answer carries back; migration 0021
@@ -394,7 +395,7 @@ class FieldError(BaseModel):
 
 
 class HolderBody(BaseModel):
-    """One held lock of a key whose every slot is held."""
+    """One held lock of a key whose every slot is held, as a 409 lock-held lists it."""
 
     lock_id: int = Field(description="The held lock's id.", examples=[1])
     holder: str = Field(description="Who holds it.", examples=["worker-7@host-3"])
@@ -417,6 +418,11 @@ class Problem(BaseModel):
                     "lock_id": 1,
                     "holder": "worker-7@host-3",
                     "expires_at": _EXPIRES,
+                    "max_holders": 1,
+                    "holders": [
+                        {"lock_id": 1, "holder": "worker-7@host-3", "slot": 0, "expires_at": _EXPIRES}
+                    ],
+                    "holders_total": 1,
                 },
                 {
                     "type": "urn:helix-locks:problem:invalid-request",
@@ -454,7 +460,14 @@ class Problem(BaseModel):
         examples=["worker-7@host-3"],
     )
     holders: list[HolderBody] | None = Field(
-        default=None, description="409 lock-held only: every held lock of the key, by slot."
+        default=None,
+        description=f"409 lock-held only: at most {HOLDERS_LISTED} held locks of the key, those whose"
+        " leases run out first (by expires_at, then slot).",
+    )
+    holders_total: int | None = Field(
+        default=None,
+        description="409 lock-held only: how many locks hold the key, all of them, listed in holders or not.",
+        examples=[3],
     )
     max_holders: int | None = Field(
         default=None,
