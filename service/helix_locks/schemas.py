@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 from datetime import datetime
-from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
@@ -34,52 +33,78 @@ def _storable(value: str) -> str:
     return value
 
 
-def _check_json(value: Any, depth: int = 1) -> int:
-    """Refuse what PostgreSQL cannot store or pydantic cannot write back; return how many more
-    bytes its numbers take as stored than as json.dumps writes them."""
-    if depth > METADATA_MAX_DEPTH:
-        raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
-    if isinstance(value, str):
-        _storable(value)
-    elif isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError("numbers must be finite")
-        return _numeric_length(value) - len(repr(value))
-    elif isinstance(value, dict):
-        return sum(_check_json(key, depth + 1) + _check_json(item, depth + 1) for key, item in value.items())
-    elif isinstance(value, list):
-        return sum(_check_json(item, depth + 1) for item in value)
-    return 0
+class _Measure:
+    """One walk of metadata: refuses what PostgreSQL cannot store or pydantic cannot write back,
+    and adds up how many more bytes its numbers take as stored than as json.dumps writes them.
+    Given a bound, it refuses as soon as the numbers that grow have grown past it alone: a body
+    may hold ten thousand of them, and each costs a few microseconds."""
+
+    def __init__(self, bound: int | None = None) -> None:
+        self.bound = bound
+        self.swell = 0  # as stored less as written, of the numbers walked
+        self.grown = 0  # the same, of those that grow only: the stored size is more
+
+    def walk(self, value: Any, depth: int = 1) -> None:
+        if depth > METADATA_MAX_DEPTH:
+            raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
+        if isinstance(value, str):
+            _storable(value)
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise ValueError("numbers must be finite")
+            text = repr(value)  # as json.dumps writes it
+            if "e" in text:
+                grown = _numeric_length(text) - len(text)
+                self.swell += grown
+                self.grown += grown
+                if self.bound is not None and self.grown > self.bound:
+                    raise ValueError(
+                        f"must be at most {self.bound} bytes as stored; its numbers alone take more"
+                    )
+            elif text == "-0.0":
+                self.swell -= 1
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                self.walk(key, depth + 1)
+                self.walk(item, depth + 1)
+        elif isinstance(value, list):
+            for item in value:
+                self.walk(item, depth + 1)
 
 
-def _numeric_length(number: float) -> int:
-    """How many characters PostgreSQL's numeric writes the float in: every digit, no exponent
-    (1e308: 309 digits; 1.5e-07: 0.00000015), no sign on zero. The digits are repr's, which
-    json.dumps sends (psycopg's Jsonb), and numeric keeps them all, and as many decimals as the
-    exponent implies."""
-    sign, digits, exponent = Decimal(repr(number)).as_tuple()
-    assert isinstance(exponent, int)  # a finite number's
+def _numeric_length(text: str) -> int:
+    """How many characters PostgreSQL's numeric writes a float in, given as repr writes it (as
+    json.dumps sends it, in psycopg's Jsonb): numeric keeps every digit, and as many decimals as
+    the exponent implies, and writes them without one (1e308: 309 digits; 1.5e-07: 0.00000015);
+    zero has no sign."""
+    if "e" not in text:  # already as numeric writes it, but for the sign of -0.0
+        return len(text) - (text == "-0.0")
+    mantissa, _, power = text.partition("e")
+    whole, _, fraction = mantissa.removeprefix("-").partition(".")
+    digits, exponent = len(whole) + len(fraction), int(power) - len(fraction)
     if exponent >= 0:
-        length = len(digits) + exponent  # the digits, then zeros
-    elif len(digits) > -exponent:
-        length = len(digits) + 1  # a point among the digits
+        length = digits + exponent  # the digits, then zeros
+    elif digits > -exponent:
+        length = digits + 1  # a point among the digits
     else:
         length = 2 - exponent  # "0.", zeros, the digits
-    return length + (1 if sign and number != 0 else 0)
+    return length + mantissa.startswith("-")
 
 
-def stored_bytes(metadata: dict[str, Any]) -> int:
+def stored_bytes(metadata: dict[str, Any], bound: int | None = None) -> int:
     """The size of metadata as PostgreSQL stores it, and every answer carries it back: jsonb::text,
     which puts ", " and ": " between items and writes every number in full (migration 0021 holds
-    the database to the same bound). ValueError for what cannot be stored at all."""
-    swell = _check_json(metadata)
-    return len(json.dumps(metadata, ensure_ascii=False).encode()) + swell
+    the database to the same bound). ValueError for what cannot be stored at all, and, given a
+    bound, for what its numbers alone take more than."""
+    measure = _Measure(bound)
+    measure.walk(metadata)
+    return len(json.dumps(metadata, ensure_ascii=False).encode()) + measure.swell
 
 
 def _metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
     if value is None:
         return None
-    size = stored_bytes(value)
+    size = stored_bytes(value, METADATA_MAX_BYTES)
     if size > METADATA_MAX_BYTES:
         raise ValueError(f"must be at most {METADATA_MAX_BYTES} bytes as stored, is {size}")
     return value
