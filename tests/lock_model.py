@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# A 409 lock-held lists at most this many holders, those whose leases run out first.
+HOLDERS_LISTED = 20
 ORGANIZATIONS = ("acme", "globex")
 ADMIN = "admin"
 
@@ -77,8 +79,9 @@ class Expected:
     slot: int | None = None  # of a new grant
     reclaimed: Lock | None = None  # the lock a new grant reclaims, named in its answer
     ends: tuple[Lock, ...] = ()  # every lock the grant reclaims
-    holders: tuple[Lock, ...] = ()  # of a 409 lock-held, by slot
+    holders: tuple[Lock, ...] = ()  # of a 409 lock-held: those listed, the first leases to run out
     first: Lock | None = None  # of a 409 lock-held: the lease that ends first
+    holders_total: int | None = None  # of a 409 lock-held: every holder, listed or not
     max_holders: int | None = None  # of a 409: the value in force
     release_reason: str | None = None  # of a 410
     lapsed: bool | None = None  # of a renewal
@@ -138,8 +141,15 @@ class Model:
             if in_force != max_holders:
                 return Expected(409, "max-holders-mismatch", max_holders=in_force)
             if len(held) >= max_holders:
-                first = min(held, key=lambda lock: lock.lease)
-                return Expected(409, "lock-held", holders=tuple(held), first=first, max_holders=in_force)
+                listed = sorted(held, key=lambda lock: (lock.lease, lock.slot))[:HOLDERS_LISTED]
+                return Expected(
+                    409,
+                    "lock-held",
+                    holders=tuple(listed),
+                    first=listed[0],
+                    max_holders=in_force,
+                    holders_total=len(held),
+                )
         # The live locks of a key share one max_holders: expired ones of another value all end.
         others = [lock for lock in live if lock.max_holders != max_holders]
         assert all(lock.expired for lock in others)

@@ -64,27 +64,46 @@ WHERE i.indrelid = %(table)s
                   WHERE k.conindid = i.indexrelid AND k.contype IN ('p', 'u', 'x'))
 ORDER BY c.relname
 """
+# Each trigger, and what COMMENT ON says of it.
 _TRIGGERS = """
-SELECT pg_catalog.pg_get_triggerdef(g.oid, true) || ';' FROM pg_catalog.pg_trigger AS g
+SELECT pg_catalog.pg_get_triggerdef(g.oid, true) || ';'
+       || coalesce(E'\n' || 'COMMENT ON TRIGGER ' || pg_catalog.quote_ident(g.tgname) || ' ON '
+                   || g.tgrelid::pg_catalog.regclass::text || ' IS '
+                   || pg_catalog.quote_literal(pg_catalog.obj_description(g.oid, 'pg_trigger')) || ';', '')
+FROM pg_catalog.pg_trigger AS g
 WHERE g.tgrelid = %(table)s AND NOT g.tgisinternal ORDER BY g.tgname
+"""
+# What COMMENT ON says of the table, then of its columns in their order.
+_TABLE_COMMENTS = """
+SELECT 'COMMENT ON ' || CASE WHEN d.objsubid = 0 THEN 'TABLE ' || %(name)s
+                             ELSE 'COLUMN ' || %(name)s || '.' || pg_catalog.quote_ident(a.attname) END
+       || ' IS ' || pg_catalog.quote_literal(d.description) || ';'
+FROM pg_catalog.pg_description AS d
+LEFT JOIN pg_catalog.pg_attribute AS a ON a.attrelid = d.objoid AND a.attnum = d.objsubid
+WHERE d.classoid = 'pg_catalog.pg_class'::regclass AND d.objoid = %(table)s
+ORDER BY d.objsubid
 """
 _VIEWS = """
 SELECT 'CREATE VIEW ' || pg_catalog.quote_ident(c.relname) || ' AS' || E'\n'
        || pg_catalog.rtrim(pg_catalog.pg_get_viewdef(c.oid, true), ';') || ';'
 FROM pg_catalog.pg_class AS c WHERE c.relnamespace = %(ns)s AND c.relkind = 'v' ORDER BY c.relname
 """
-# Each function, and who may call it: PUBLIC, unless revoked (migration 0009).
+# Each function, who may call it (PUBLIC, unless revoked: migration 0009), and what COMMENT ON
+# says of it.
 _FUNCTIONS = """
 SELECT pg_catalog.rtrim(pg_catalog.pg_get_functiondef(p.oid), E'\n') || ';'
        || CASE WHEN pg_catalog.has_function_privilege('public', p.oid, 'EXECUTE') THEN ''
           ELSE E'\n' || 'REVOKE EXECUTE ON FUNCTION ' || p.oid::pg_catalog.regprocedure::text
                || ' FROM PUBLIC;' END
+       || coalesce(E'\n' || 'COMMENT ON FUNCTION ' || p.oid::pg_catalog.regprocedure::text || ' IS '
+                   || pg_catalog.quote_literal(pg_catalog.obj_description(p.oid, 'pg_proc')) || ';', '')
 FROM pg_catalog.pg_proc AS p
 WHERE p.pronamespace = %(ns)s
 ORDER BY p.proname, pg_catalog.pg_get_function_identity_arguments(p.oid) COLLATE "C"
 """
 # What the queries above leave out: relations other than tables, their indexes, views and the
-# sequences of identity columns; types other than relations' row types and their arrays.
+# sequences of identity columns; types other than relations' row types and their arrays; comments
+# on anything but tables, their columns, functions and triggers.
 _UNRENDERED = """
 SELECT 'relation ' || c.relname || ' (relkind ' || c.relkind::text || ')' FROM pg_catalog.pg_class AS c
 WHERE c.relnamespace = %(ns)s AND c.relkind NOT IN ('r', 'i', 'v')
@@ -94,6 +113,13 @@ UNION ALL
 SELECT 'type ' || t.typname FROM pg_catalog.pg_type AS t
 WHERE t.typnamespace = %(ns)s AND t.typrelid = 0
   AND NOT EXISTS (SELECT FROM pg_catalog.pg_type AS e WHERE e.oid = t.typelem AND e.typrelid <> 0)
+UNION ALL
+SELECT 'the comment on ' || pg_catalog.pg_describe_object(d.classoid, d.objoid, d.objsubid)
+FROM pg_catalog.pg_description AS d
+WHERE d.classoid NOT IN ('pg_catalog.pg_proc'::regclass, 'pg_catalog.pg_trigger'::regclass)
+  AND NOT (d.classoid = 'pg_catalog.pg_class'::regclass
+           AND EXISTS (SELECT FROM pg_catalog.pg_class AS c WHERE c.oid = d.objoid AND c.relkind = 'r'))
+  AND (pg_catalog.pg_identify_object(d.classoid, d.objoid, d.objsubid)).schema = %(schema)s
 """
 
 
@@ -115,7 +141,8 @@ def _table(conn: psycopg.Connection[Any], oid: int, name: str) -> str:
     for constraint, definition in conn.execute(_CONSTRAINTS, {"table": oid}):
         lines.append(f"    CONSTRAINT {constraint} {definition}")
     create = f"CREATE TABLE {name} (\n" + ",\n".join(lines) + "\n);"
-    more = [row[0] for query in (_INDEXES, _TRIGGERS) for row in conn.execute(query, {"table": oid})]
+    more = [row[0] for row in conn.execute(_TABLE_COMMENTS, {"table": oid, "name": name})]
+    more += [row[0] for query in (_INDEXES, _TRIGGERS) for row in conn.execute(query, {"table": oid})]
     return "\n".join([create, *more])
 
 
@@ -138,7 +165,7 @@ def document(conninfo: str) -> str:
         ).fetchone()
         assert row is not None, "no helix_schema_migrations: the database is not migrated"
         ns, schema = row
-        unrendered = [what for (what,) in conn.execute(_UNRENDERED, {"ns": ns})]
+        unrendered = [what for (what,) in conn.execute(_UNRENDERED, {"ns": ns, "schema": schema})]
         assert unrendered == [], f"tests/schema.py does not render {', '.join(unrendered)}: teach it"
         # Names in the installation's schema print unqualified wherever the catalog allows.
         conn.execute("SELECT pg_catalog.set_config('search_path', quote_ident(%s), false)", (schema,))

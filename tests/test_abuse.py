@@ -4,12 +4,14 @@ cut off, and a normal client beside them gets every answer in time."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import statistics
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -463,3 +465,64 @@ def test_an_answer_read_too_slowly_is_cut_off_too(db_url: str, tmp_path: Path) -
             took = time.monotonic() - started
     assert closed, f"still served after {took:.0f} s, {received} bytes read"
     assert received < 4_000_000 and took < 10, (received, took)
+
+
+def _post_json(port: int, body: bytes) -> tuple[int, dict[str, Any], int]:
+    """A JSON body posted to /v1/locks: the status, the answer's body, and its size in bytes."""
+    head = "POST /v1/locks HTTP/1.1\nHost: localhost\nContent-Type: application/json\n"
+    head += f"Content-Length: {len(body)}\n"
+    status, got = _raw(port, head, body)
+    payload = got.split(b"\r\n\r\n", 1)[1]
+    return status, json.loads(payload), len(payload)
+
+
+def test_metadata_that_swells_as_stored_is_refused_so_no_answer_carries_it(
+    service: tuple[str, int, int],
+) -> None:
+    """Issue 34, item 7: `{"a": [1e308, ... 1160 times]}` is 8,127 bytes as sent, but jsonb stores each
+    number as numeric and writes it back whole (309 digits), so the lock's every answer (the
+    grant, GET, a page of 150 of them: 54 MB) was 44 times larger. Bounded as stored, it is a small
+    422 naming metadata, and nothing is stored to be answered later; 1e-300 alike."""
+    url, port, _ = service
+    for number in ("1e308", "1e-300"):
+        numbers = ",".join([number] * 1160)
+        body = (
+            '{"organization_id": "acme", "job_type": "swollen", "holder": "w", "ttl_seconds": 60,'
+            f' "metadata": {{"a": [{numbers}]}}}}'
+        ).encode()
+        status, problem, size = _post_json(port, body)
+        assert status == 422, problem
+        assert [error["field"] for error in problem["errors"]] == ["metadata"]
+        assert size < 1000
+    with httpx.Client(base_url=url, timeout=5) as http:
+        assert http.get("/v1/locks").json()["items"] == [], "nothing was stored"
+
+
+def test_a_full_semaphores_409_lists_the_20_holders_expiring_first(service: tuple[str, int, int]) -> None:
+    """Issue 34, item 11: an acquire of about a hundred bytes, of a semaphore whose 190 slots are
+    held, drew a 211,879-byte 409 listing every holder (about 1 MB at 1,000). It lists the 20 whose
+    leases run out first, in that order, and counts them all in holders_total."""
+    url, port, _ = service
+    slots = 190
+    # Slot n's lease is 600 + 10 (37 n mod 190) s: they run out in another order than the slots.
+    ttls = [600 + 10 * ((37 * n) % slots) for n in range(slots)]
+    grants = []
+    with httpx.Client(base_url=url, timeout=10) as http:
+        for n, ttl in enumerate(ttls):
+            holder = f"worker-{n:03}@" + "h" * 200
+            lock = {"organization_id": "acme", "job_type": "export", "holder": holder, "ttl_seconds": ttl}
+            granted = http.post("/v1/locks", json={**lock, "max_holders": slots})
+            assert granted.status_code == 201, granted.text
+            grants.append(granted.json())
+    body = b'{"organization_id": "acme", "job_type": "export", "holder": "late", "ttl_seconds": 60,'
+    body += b' "max_holders": 190}'
+    status, problem, size = _post_json(port, body)
+    assert status == 409 and problem["type"] == "urn:helix-locks:problem:lock-held"
+    first = sorted(grants, key=lambda grant: (grant["expires_at"], grant["slot"]))[:20]
+    assert [holder["lock_id"] for holder in problem["holders"]] == [grant["id"] for grant in first]
+    assert [grant["slot"] for grant in first] != list(range(20))
+    assert problem["holders_total"] == slots and problem["max_holders"] == slots
+    assert problem["lock_id"] == problem["holders"][0]["lock_id"]
+    assert problem["expires_at"] == problem["holders"][0]["expires_at"]
+    # 20 holders of 211 characters each, and the rest of the problem: not 190 of them (50 KB).
+    assert size < 6500, size

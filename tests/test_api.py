@@ -14,8 +14,9 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
-from helix_locks import keys
+from helix_locks import keys, schemas
 from helix_locks.app import create_app
 from helix_locks.settings import Settings
 from tests.support import ROUTE, TcpProxy, in_process
@@ -332,6 +333,80 @@ async def test_update_403_404_410_and_422(client: httpx.AsyncClient, conn: Conn)
     gone = assert_problem(await client.patch(url, headers=good, json={"metadata": {"late": True}}), 410)
     assert gone["release_reason"] == "reclaimed"
     assert (await client.get(url)).json()["metadata"] is None
+
+
+# --- metadata as stored (issue 34, item 7) ------------------------------------------------------
+
+# jsonb keeps a number as numeric and writes it back whole: 1e308 as 309 digits, 1e-300 as 302
+# characters. Each of these is 8,127 bytes as sent, and over 350,000 as stored and answered.
+SWOLLEN = [{"a": [1e308] * 1160}, {"a": [1e-300] * 1160}]
+
+
+def stored_bytes(conn: Conn, metadata: Any) -> int:
+    found = conn.execute("SELECT octet_length(%s::jsonb::text)", (Jsonb(metadata),)).fetchone()
+    assert found is not None
+    return int(found[0])
+
+
+def exactly(conn: Conn, size: int) -> dict[str, Any]:
+    """Metadata of `size` bytes as stored, whose numbers are far longer stored than sent."""
+    metadata: dict[str, Any] = {"n": [1e16] * 100, "pad": ""}
+    metadata["pad"] = "x" * (size - stored_bytes(conn, metadata))
+    assert stored_bytes(conn, metadata) == size
+    return metadata
+
+
+def refused_for_metadata(response: httpx.Response) -> str:
+    problem = assert_problem(response, 422)
+    assert [error["field"] for error in problem["errors"]] == ["metadata"], problem
+    message: str = problem["errors"][0]["message"]
+    assert "8192" in message, message
+    return message
+
+
+async def test_metadata_is_bounded_as_stored_not_as_sent(client: httpx.AsyncClient, conn: Conn) -> None:
+    """At acquire and at update, 422 naming metadata for what is over 8 KiB as stored, however
+    small it was as sent; nothing is stored. 8 KiB exactly as stored is kept, and answered intact
+    by the grant, the lock, the listing and an update."""
+    for metadata in [*SWOLLEN, exactly(conn, 8193)]:
+        assert len(json.dumps(metadata, separators=(",", ":"))) < 8192, "small as sent"
+        refused_for_metadata(await client.post("/v1/locks", json=lock_body(metadata=metadata)))
+    assert conn.execute("SELECT count(*) FROM helix_job_locks").fetchone() == (0,)
+
+    fits = exactly(conn, 8192)
+    grant = await acquire(client, metadata=fits)
+    url, token = f"/v1/locks/{grant['id']}", {"Lock-Token": grant["token"]}
+    assert grant["metadata"] == fits
+    assert (await client.get(url)).json()["metadata"] == fits
+    assert [lock["metadata"] for lock in (await client.get("/v1/locks")).json()["items"]] == [fits]
+
+    for metadata in [*SWOLLEN, exactly(conn, 8193)]:
+        refused_for_metadata(await client.patch(url, headers=token, json={"metadata": metadata}))
+    assert (await client.get(url)).json()["metadata"] == fits
+    updated = await client.patch(url, headers=token, json={"metadata": {**fits, "pad": fits["pad"][1:]}})
+    assert updated.status_code == 200, updated.text
+    assert updated.json()["metadata"]["n"] == fits["n"]
+
+
+async def test_metadata_the_database_refuses_is_a_422_naming_it_never_a_500(
+    db_url: str, conn: Conn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database bounds what it stores, whatever the edge lets through: with the edge's own
+    check out of the way, its refusal is still a 422 naming metadata, at acquire (by the count,
+    at the quota, waiting) and at update, and nothing is stored."""
+    monkeypatch.setattr(schemas, "METADATA_MAX_BYTES", 10**9)
+    swollen = SWOLLEN[0]
+    for quota, wait in ((10_000, 0), (1, 0), (10_000, 0.5)):
+        settings = ROUTE.settings(db_url, allow_anonymous=True, max_live_locks_per_organization=quota)
+        async with in_process(create_app(settings)) as client:
+            body = lock_body(metadata=swollen, wait_seconds=wait, job_type=f"q{quota}-{wait}")
+            refused_for_metadata(await client.post("/v1/locks", json=body))
+    assert conn.execute("SELECT count(*) FROM helix_job_locks").fetchone() == (0,)
+    async with in_process(create_app(ROUTE.settings(db_url, allow_anonymous=True))) as client:
+        grant = await acquire(client, metadata={"run": 1})
+        url, token = f"/v1/locks/{grant['id']}", {"Lock-Token": grant["token"]}
+        refused_for_metadata(await client.patch(url, headers=token, json={"metadata": swollen}))
+        assert (await client.get(url)).json()["metadata"] == {"run": 1}
 
 
 # --- inspect -----------------------------------------------------------------------------------

@@ -101,6 +101,8 @@ async def test_an_acquire_answers_alike_on_both_paths(routes: tuple[httpx.AsyncC
         (json.dumps({**BODY, "job_type": "k2"}).encode(), {"idempotency-key": "retry-1"}, 201),  # replayed
         (json.dumps({**BODY, "job_type": "k3"}).encode(), {"authorization": "Bearer nope"}, 401),
         (json.dumps({**BODY, "wait_seconds": 0.2}).encode(), {}, 409),  # waits on FastAPI's path
+        # 8,127 bytes as sent, 360,767 as stored (1e308 is stored as 309 digits): over 8 KiB.
+        (json.dumps({**BODY, "job_type": "k4", "metadata": {"a": [1e308] * 1160}}).encode(), {}, 422),
         (b"[" * 5000, {}, 422),
         (b"\xff\xfe", {}, 422),
         (b"", {}, 422),

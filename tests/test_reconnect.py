@@ -226,14 +226,16 @@ async def test_a_waiter_whose_holder_changed_meanwhile_sleeps_on_the_new_one(
         assert not service.waiting[kept].done()
 
 
+@pytest.mark.parametrize("slots", [2, 25])
 async def test_a_semaphore_waiter_wakes_when_another_slot_ended_meanwhile(
-    db_url: str, conn: Conn, monkeypatch: pytest.MonkeyPatch
+    db_url: str, conn: Conn, monkeypatch: pytest.MonkeyPatch, slots: int
 ) -> None:
-    """Refused by both holders of a semaphore of 2, the waiter sleeps until the first lease runs
-    out; the lock in the other slot, released while the listener was away, wakes it at the
-    reconnect (its own lock is still held), and the waiter of a key that stayed full sleeps on."""
+    """Refused by every holder of a semaphore, the waiter sleeps until the first lease runs out;
+    the lock in another slot, released while the listener was away, wakes it at the reconnect
+    (its own lock is still held), and the waiter of a key that stayed full sleeps on. With 25
+    slots, the refusal lists only 20 holders: the check counts them all (holders_total)."""
     ended, full = ("acme", "exports"), ("acme", "reports")
-    async with serving(db_url, conn, monkeypatch, [ended, full], max_holders=2) as service:
+    async with serving(db_url, conn, monkeypatch, [ended, full], max_holders=slots) as service:
         other = service.others[0][ended][0]
         [(slot,)] = conn.execute("SELECT slot FROM helix_job_locks WHERE id = %s", (other,)).fetchall()
         before = service.watch.attempts.copy()

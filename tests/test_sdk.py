@@ -297,7 +297,7 @@ def test_a_semaphore_of_three_gives_each_lease_its_slot_and_a_fourth_is_told_eve
             with pytest.raises(LockHeld) as full, fourth:
                 pass
             assert full.value.max_holders == 3 and full.value.retry_after >= 1
-            assert len(full.value.holders) == 3
+            assert len(full.value.holders) == full.value.holders_total == 3
             assert {(h["lock_id"], h["slot"]) for h in full.value.holders} == {
                 (lease.grant.id, lease.slot) for lease in leases
             }
@@ -345,3 +345,4 @@ def test_an_older_service_without_semaphores_reads_as_one_slot() -> None:
     held = LockHeld({"lock_id": 7, "holder": "w", "expires_at": "2026-12-01T00:00:00Z"}, 1.0)
     assert held.max_holders == 1
     assert held.holders == [{"lock_id": 7, "holder": "w", "slot": 0, "expires_at": "2026-12-01T00:00:00Z"}]
+    assert held.holders_total == 1

@@ -56,6 +56,42 @@ async def test_a_semaphore_grants_one_lock_per_slot_then_409_names_every_holder(
     assert problem["max_holders"] == 1
 
 
+async def test_a_full_semaphores_409_lists_the_20_holders_expiring_first_and_counts_them_all(
+    client: httpx.AsyncClient,
+) -> None:
+    """Issue 34, item 11: the 409 of a full semaphore listed every holder, by slot, so that an
+    acquire of about a hundred bytes drew about 1 KB per slot held. It lists the 20 whose leases
+    run out first, in that order, and counts them all; so does the 409 after a wait runs out."""
+    slots = 45
+    # Slot n's lease is 60 + (7 n mod 45) s: leases run out in another order than the slots.
+    ttls = [60 + (7 * n) % slots for n in range(slots)]
+    grants = [
+        await acquire(client, holder=f"w{n}", max_holders=slots, ttl_seconds=ttl)
+        for n, ttl in enumerate(ttls)
+    ]
+    first = sorted(grants, key=lambda grant: (grant["expires_at"], grant["slot"]))[:20]
+    assert [grant["slot"] for grant in first] != list(range(20))
+    for wait in (0, 0.2):
+        response = await client.post(
+            "/v1/locks", json=lock_body(holder="late", max_holders=slots, wait_seconds=wait)
+        )
+        problem = assert_problem(response, 409)
+        assert problem["holders"] == [
+            {key: grant[key] for key in ("holder", "slot", "expires_at")} | {"lock_id": grant["id"]}
+            for grant in first
+        ]
+        assert problem["holders_total"] == slots and problem["max_holders"] == slots
+        assert (problem["lock_id"], problem["expires_at"]) == (first[0]["id"], first[0]["expires_at"])
+        assert 50 <= int(response.headers["retry-after"]) <= 60
+        assert len(response.content) < 3000, len(response.content)
+
+    # A plain lock's 409 lists its one holder, and counts it.
+    plain = await acquire(client, job_type="plain")
+    problem = assert_problem(await client.post("/v1/locks", json=lock_body(job_type="plain")), 409)
+    assert [holder["lock_id"] for holder in problem["holders"]] == [plain["id"]]
+    assert problem["holders_total"] == 1
+
+
 async def test_a_released_slot_is_taken_before_an_expired_one_is_reclaimed(
     client: httpx.AsyncClient, conn: Conn
 ) -> None:

@@ -14,11 +14,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from psycopg import errors
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from helix_locks import queries
+from helix_locks import queries, schemas
 from tests.history import check, database_history
 
 Conn = psycopg.Connection[Any]
@@ -689,3 +691,165 @@ def counter_of(conn: Conn, key: tuple[str, str]) -> int:
     ).fetchone()
     assert value is not None
     return int(value[0])
+
+
+# --- metadata as stored (issue 34, item 7) ------------------------------------------------------
+
+# jsonb keeps a number as numeric and writes it back whole: 1e308 as 309 digits, 1e-300 as 302
+# characters. Each of these is 8,127 bytes as the service sends it, and over 350,000 as stored.
+SWOLLEN = [{"a": [1e308] * 1160}, {"a": [1e-300] * 1160}]
+
+
+def stored_bytes(conn: Conn, metadata: Any) -> int:
+    """What metadata is as PostgreSQL stores it: jsonb::text, in bytes."""
+    found = conn.execute("SELECT octet_length(%s::jsonb::text)", (Jsonb(metadata),)).fetchone()
+    assert found is not None
+    return int(found[0])
+
+
+def exactly(conn: Conn, size: int) -> dict[str, Any]:
+    """Metadata of `size` bytes as stored, its numbers far longer stored than sent."""
+    metadata: dict[str, Any] = {"n": [1e16] * 100, "pad": ""}
+    metadata["pad"] = "x" * (size - stored_bytes(conn, metadata))
+    assert stored_bytes(conn, metadata) == size
+    return metadata
+
+
+def test_metadata_over_8_kib_as_stored_is_refused_by_every_function_that_writes_it(conn: Conn) -> None:
+    """As a worker with its own SQL calls them: acquire, the quota's acquire and update refuse
+    (22023, naming the column metadata), store nothing and take no fencing token; 8 KiB exactly
+    is kept intact. Any other write of the table is bounded alike."""
+    cursor = conn.cursor(row_factory=dict_row)
+
+    def grant(job_type: str, metadata: Any, quota: int | None = None) -> dict[str, Any]:
+        params = {
+            "organization_id": "org",
+            "job_type": job_type,
+            "holder": "w1",
+            "ttl_ms": 30_000,
+            "metadata": Jsonb(metadata),
+            "idempotency_key": None,
+            "max_holders": 1,
+            "quota": quota,
+        }
+        statement = queries.ACQUIRE if quota is None else queries.ACQUIRE_WITHIN_QUOTA
+        rows = cursor.execute(statement, params).fetchall()
+        assert len(rows) == 1
+        return rows[0]
+
+    too_big = [*SWOLLEN, exactly(conn, 8193)]
+    for metadata in too_big:
+        assert len(json.dumps(metadata, separators=(",", ":"))) <= 8192, "small as sent"
+        for quota in (None, 10):
+            with pytest.raises(errors.InvalidParameterValue) as refused:
+                grant("job", metadata, quota)
+            assert refused.value.diag.column_name == "metadata"
+            assert "8192" in (refused.value.diag.message_primary or "")
+    assert conn.execute("SELECT count(*) FROM helix_job_locks").fetchone() == (0,)
+
+    fits = exactly(conn, 8192)
+    granted = grant("job", fits)
+    assert granted["fencing_token"] == 1, "no refusal took a token"
+    assert granted["metadata"] == fits
+    assert row(conn, granted["id"])["metadata"] == fits
+    assert grant("quota", fits, quota=10)["metadata"] == fits
+
+    for metadata in too_big:
+        with pytest.raises(errors.InvalidParameterValue) as refused:
+            update(conn, granted["id"], granted["token"], metadata)
+        assert refused.value.diag.column_name == "metadata"
+    assert row(conn, granted["id"])["metadata"] == fits
+    assert update(conn, granted["id"], granted["token"], {"done": 1})["metadata"] == {"done": 1}
+
+    # The table itself, whoever writes it.
+    swollen = (Jsonb(SWOLLEN[0]), granted["id"])
+    with pytest.raises(errors.InvalidParameterValue):
+        conn.execute("UPDATE helix_job_locks SET metadata = %s WHERE id = %s", swollen)
+    with pytest.raises(errors.InvalidParameterValue):
+        conn.execute(
+            "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, metadata, fencing_token,"
+            " acquired_at, expires_at) VALUES ('org', 'raw', 'w', 'x', %s, 1, now(), now() + interval '1 s')",
+            (Jsonb(SWOLLEN[1]),),
+        )
+
+
+_TEXT = st.text(st.characters(exclude_categories=["Cs"], exclude_characters="\x00"), max_size=8)
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**40), max_value=10**40)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(metadata=st.dictionaries(_TEXT, _JSON, max_size=4))
+def test_the_edge_knows_the_size_as_stored(conn: Conn, metadata: dict[str, Any]) -> None:
+    """The edge refuses metadata over the bound by the size the database will store it in
+    (schemas.stored_bytes), so that a 422 comes before the API key is checked, as for every
+    other invalid field, and never needs the database; the trigger of 0021 is the authority."""
+    assert schemas.stored_bytes(metadata) == stored_bytes(conn, metadata)
+
+
+def test_a_row_stored_over_the_bound_before_it_still_renews_ends_and_is_reclaimed(conn: Conn) -> None:
+    """Migration 0021 bounds only what is being written. A row stored before it, over the
+    bound, is renewed, updated, released, forced and reclaimed as any other (a CHECK constraint,
+    tested on every UPDATE of the row, would refuse each of these, and leave its key stuck)."""
+    conn.execute("ALTER TABLE helix_job_locks DISABLE TRIGGER helix_metadata_bounded")
+    before = conn.cursor(row_factory=dict_row)
+
+    def legacy(job_type: str) -> dict[str, Any]:
+        params = {
+            "organization_id": "org",
+            "job_type": job_type,
+            "holder": "old",
+            "ttl_ms": 30_000,
+            "metadata": Jsonb(SWOLLEN[0]),
+            "idempotency_key": None,
+            "max_holders": 1,
+        }
+        found = before.execute(queries.ACQUIRE, params).fetchone()
+        assert found is not None
+        return found
+
+    renewed, forced, reclaimed = legacy("renewed"), legacy("forced"), legacy("reclaimed")
+    conn.execute("ALTER TABLE helix_job_locks ENABLE TRIGGER helix_metadata_bounded")
+
+    assert len(renew(conn, renewed["id"], renewed["token"], 60_000)["metadata"]["a"]) == 1160
+    assert release(conn, renewed["id"], renewed["token"])["state"] == "released"
+    ended = conn.execute("SELECT state FROM helix_force_release_job_lock(%s, 'admin')", (forced["id"],))
+    assert ended.fetchone() == ("released",)
+    expire(conn, reclaimed["id"])
+    successor = acquire(conn, key=("org", "reclaimed"))
+    assert successor["reclaimed_lock_id"] == reclaimed["id"]
+    assert update(conn, successor["id"], successor["token"], {"small": True})["metadata"] == {"small": True}
+
+
+def test_a_full_pairs_refusal_names_at_most_20_holders_those_expiring_first(conn: Conn) -> None:
+    """23505's DETAIL, as a worker with its own SQL reads it: the 20 held locks whose leases run
+    out first (by expires_at, then slot), holders_total counting every one, and lock_id naming the
+    first (issue 34, item 11)."""
+    slots = 30
+    grants = [
+        acquire(conn, f"w{n}", ttl_ms=60_000 + 1000 * ((11 * n) % slots), key=SEMAPHORE, max_holders=slots)
+        for n in range(slots)
+    ]
+    conn.execute(  # three leases that end first, at one moment (slot 0's): by slot, then
+        "UPDATE helix_job_locks SET expires_at = (SELECT min(expires_at) FROM helix_job_locks)"
+        " WHERE id IN (%s, %s)",
+        (grants[9]["id"], grants[3]["id"]),
+    )
+    held = sorted(
+        (row(conn, grant["id"]) for grant in grants), key=lambda lock: (lock["expires_at"], lock["slot"])
+    )
+    with pytest.raises(errors.UniqueViolation) as refused:
+        acquire(conn, "late", key=SEMAPHORE, max_holders=slots)
+    detail = json.loads(refused.value.diag.message_detail or "")
+    listed = [(h["lock_id"], h["slot"]) for h in detail["holders"]]
+    assert listed == [(lock["id"], lock["slot"]) for lock in held[:20]]
+    assert [slot for _, slot in listed[:3]] == [0, 3, 9]
+    assert detail["holders_total"] == slots
+    assert detail["lock_id"] == held[0]["id"] and detail["max_holders"] == slots

@@ -207,6 +207,7 @@ class LockMachine(RuleBasedStateMachine):
                 holders = [(h["lock_id"], h["holder"], h["slot"]) for h in body["holders"]]
                 want = [(lock.id, lock.holder, lock.slot) for lock in expected.holders]
                 assert holders == want, f"{what}: the model expected holders {want}: {body}"
+                assert body["holders_total"] == expected.holders_total, f"{what}: {body}"
                 assert body["lock_id"] == expected.first.id, f"{what}: lease ending first: {body}"
                 assert int(response.headers["Retry-After"]) >= 1
                 if wait:

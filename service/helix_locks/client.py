@@ -71,8 +71,8 @@ class LockHeld(HelixError):
     """Another holder has the lock; of a semaphore, live locks hold every slot.
 
     `lock_id`, `holder` and `expires_at` name the held lock whose lease runs out first; `holders`
-    lists every held lock (`lock_id`, `holder`, `slot`, `expires_at`); `max_holders` their number
-    of slots."""
+    lists at most 20 held locks (`lock_id`, `holder`, `slot`, `expires_at`), those whose leases run
+    out first; `holders_total` counts them all; `max_holders` is their number of slots."""
 
     def __init__(self, problem: Mapping[str, Any], retry_after: float) -> None:
         super().__init__(f"held by {problem.get('holder')} until {problem.get('expires_at')}")
@@ -86,6 +86,7 @@ class LockHeld(HelixError):
                 {"lock_id": self.lock_id, "holder": self.holder, "slot": 0, "expires_at": self.expires_at}
             ]
         self.holders: list[dict[str, Any]] = list(holders or [])
+        self.holders_total: int = problem.get("holders_total") or len(self.holders)
         self.retry_after = retry_after
 
 

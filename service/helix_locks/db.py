@@ -51,16 +51,19 @@ def _lock_held(exc: psycopg.Error) -> LockError:
     detail = _detail(exc)
     if detail.get("max_holders_in_force") is not None:
         return MaxHoldersMismatch(int(detail["max_holders_in_force"]))
+    holders = [
+        Holder(h["lock_id"], h["holder"], h["slot"], datetime.fromisoformat(h["expires_at"]))
+        for h in detail.get("holders") or ()
+    ]
     return LockHeld(
         lock_id=detail.get("lock_id"),
         holder=detail.get("holder"),
         expires_at=_time(detail.get("expires_at")),
         retry_after_seconds=int(detail.get("retry_after_seconds", 1)),
-        holders=[
-            Holder(h["lock_id"], h["holder"], h["slot"], datetime.fromisoformat(h["expires_at"]))
-            for h in detail.get("holders") or ()
-        ],
+        holders=holders,
         max_holders=int(detail.get("max_holders") or 1),
+        # Listed only in part since 0021; before it, every holder was listed.
+        holders_total=int(detail.get("holders_total") or len(holders)),
     )
 
 
@@ -95,7 +98,7 @@ POOLER_WITHOUT_DIRECT_URL = (
 # SQLSTATE -> domain error. The codes are raised by the functions in migrations/.
 SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "23505": _lock_held,
-    "22023": _invalid,
+    "22023": _invalid,  # a value out of range, its COLUMN the field: ttl, max_holders, metadata (0021)
     "22P02": _invalid,  # a value PostgreSQL cannot read as its type (an event id's snapshot)
     "HL001": lambda exc: LockNotFound(),
     "HL002": _token_mismatch,

@@ -10,6 +10,11 @@ class LockError(Exception):
     """Base of every error the domain reports to its callers."""
 
 
+# A full pair's refusal lists at most this many holders (migration 0021), so that its size does not
+# grow with max_holders (up to 1,000).
+HOLDERS_LISTED = 20
+
+
 @dataclass(frozen=True)
 class Holder:
     """One held lock of a full pair: its id, holder, slot and lease's end."""
@@ -23,7 +28,8 @@ class Holder:
 @dataclass
 class LockHeld(LockError):
     """Live, unexpired locks hold every slot of the key (one, unless it is a semaphore); lock_id,
-    holder and expires_at name the one whose lease runs out first."""
+    holder and expires_at name the one whose lease runs out first. `holders` lists at most
+    HOLDERS_LISTED of them, those whose leases run out first; `holders_total` counts them all."""
 
     lock_id: int | None
     holder: str | None
@@ -31,6 +37,7 @@ class LockHeld(LockError):
     retry_after_seconds: int
     holders: list[Holder] = field(default_factory=list)
     max_holders: int = 1
+    holders_total: int = 0
 
 
 @dataclass

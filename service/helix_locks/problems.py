@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from helix_locks.errors import (
+    HOLDERS_LISTED,
     BodyTooLarge,
     DatabaseUnavailable,
     EventsExpired,
@@ -173,8 +174,9 @@ KINDS: Mapping[type[LockError], Kind] = {
         "Lock held",
         "Live locks hold every slot of this organization and job type (one slot, unless max_holders is"
         " more); lock_id, holder and expires_at name the one whose lease runs out first, holders lists"
-        " them all. Retry-After: whole seconds until that lease runs out.",
-        LockHeld(1, "worker-7@host-3", _EXPIRES, 30, [Holder(1, "worker-7@host-3", 0, _EXPIRES)]),
+        f" at most {HOLDERS_LISTED} of them, those whose leases run out first, and holders_total counts"
+        " them all. Retry-After: whole seconds until the first lease runs out.",
+        LockHeld(1, "worker-7@host-3", _EXPIRES, 30, [Holder(1, "worker-7@host-3", 0, _EXPIRES)], 1, 1),
         lambda exc: (
             "A live lock holds this organization and job type."
             if exc.max_holders == 1
@@ -195,6 +197,7 @@ KINDS: Mapping[type[LockError], Kind] = {
                 }
                 for h in exc.holders
             ],
+            "holders_total": exc.holders_total,
         },
     ),
     MaxHoldersMismatch: Kind(

@@ -9,8 +9,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+from helix_locks.errors import HOLDERS_LISTED
 from helix_locks.locks import Grant, Lock, Renewal, State, storable_text
 
+# Metadata as stored (stored_bytes), which is what every answer carries back; migration 0021
+# holds the database to the same bound.
 METADATA_MAX_BYTES = 8 * 1024
 # Deeper JSON than this is refused: it could be stored but not serialized back (pydantic stops
 # at a depth of a few hundred), and no worker needs it.
@@ -30,29 +33,80 @@ def _storable(value: str) -> str:
     return value
 
 
-def _check_json(value: Any, depth: int = 1) -> None:
-    if depth > METADATA_MAX_DEPTH:
-        raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
-    if isinstance(value, str):
-        _storable(value)
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ValueError("numbers must be finite")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_json(key, depth + 1)
-            _check_json(item, depth + 1)
-    elif isinstance(value, list):
-        for item in value:
-            _check_json(item, depth + 1)
+class _Measure:
+    """One walk of metadata: refuses what PostgreSQL cannot store or pydantic cannot write back,
+    and adds up how many more bytes its numbers take as stored than as json.dumps writes them.
+    Given a bound, it refuses as soon as the numbers that grow have grown past it alone: a body
+    may hold ten thousand of them, and each costs a few microseconds."""
+
+    def __init__(self, bound: int | None = None) -> None:
+        self.bound = bound
+        self.swell = 0  # as stored less as written, of the numbers walked
+        self.grown = 0  # the same, of those that grow only: the stored size is more
+
+    def walk(self, value: Any, depth: int = 1) -> None:
+        if depth > METADATA_MAX_DEPTH:
+            raise ValueError(f"must be nested at most {METADATA_MAX_DEPTH} levels deep")
+        if isinstance(value, str):
+            _storable(value)
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                raise ValueError("numbers must be finite")
+            text = repr(value)  # as json.dumps writes it
+            if "e" in text:
+                grown = _numeric_length(text) - len(text)
+                self.swell += grown
+                self.grown += grown
+                if self.bound is not None and self.grown > self.bound:
+                    raise ValueError(
+                        f"must be at most {self.bound} bytes as stored; its numbers alone take more"
+                    )
+            elif text == "-0.0":
+                self.swell -= 1
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                self.walk(key, depth + 1)
+                self.walk(item, depth + 1)
+        elif isinstance(value, list):
+            for item in value:
+                self.walk(item, depth + 1)
+
+
+def _numeric_length(text: str) -> int:
+    """How many characters PostgreSQL's numeric writes a float in, given as repr writes it (as
+    json.dumps sends it, in psycopg's Jsonb): numeric keeps every digit, and as many decimals as
+    the exponent implies, and writes them without one (1e308: 309 digits; 1.5e-07: 0.00000015);
+    zero has no sign."""
+    if "e" not in text:  # already as numeric writes it, but for the sign of -0.0
+        return len(text) - (text == "-0.0")
+    mantissa, _, power = text.partition("e")
+    whole, _, fraction = mantissa.removeprefix("-").partition(".")
+    digits, exponent = len(whole) + len(fraction), int(power) - len(fraction)
+    if exponent >= 0:
+        length = digits + exponent  # the digits, then zeros
+    elif digits > -exponent:
+        length = digits + 1  # a point among the digits
+    else:
+        length = 2 - exponent  # "0.", zeros, the digits
+    return length + mantissa.startswith("-")
+
+
+def stored_bytes(metadata: dict[str, Any], bound: int | None = None) -> int:
+    """The size of metadata as PostgreSQL stores it, and every answer carries it back: jsonb::text,
+    which puts ", " and ": " between items and writes every number in full (migration 0021 holds
+    the database to the same bound). ValueError for what cannot be stored at all, and, given a
+    bound, for what its numbers alone take more than."""
+    measure = _Measure(bound)
+    measure.walk(metadata)
+    return len(json.dumps(metadata, ensure_ascii=False).encode()) + measure.swell
 
 
 def _metadata(value: dict[str, Any] | None) -> dict[str, Any] | None:
     if value is None:
         return None
-    _check_json(value)
-    size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
+    size = stored_bytes(value, METADATA_MAX_BYTES)
     if size > METADATA_MAX_BYTES:
-        raise ValueError(f"must be at most {METADATA_MAX_BYTES} bytes serialized, is {size}")
+        raise ValueError(f"must be at most {METADATA_MAX_BYTES} bytes as stored, is {size}")
     return value
 
 
@@ -105,7 +159,9 @@ Metadata = Annotated[
     dict[str, Any] | None,
     AfterValidator(_metadata),
     Field(
-        description="Any JSON object, at most 8 KiB serialized; stored and returned as given.",
+        description="Any JSON object, at most 8 KiB (8192 bytes) as stored, whatever its size as sent:"
+        " as PostgreSQL's jsonb writes it, with ', ' and ': ' between items and every number in full"
+        " (1e308 is 309 digits). Returned as stored.",
         examples=[{"run": "2026-11-30", "attempt": 1}],
     ),
 ]
@@ -364,7 +420,7 @@ class FieldError(BaseModel):
 
 
 class HolderBody(BaseModel):
-    """One held lock of a key whose every slot is held."""
+    """One held lock of a key whose every slot is held, as a 409 lock-held lists it."""
 
     lock_id: int = Field(description="The held lock's id.", examples=[1])
     holder: str = Field(description="Who holds it.", examples=["worker-7@host-3"])
@@ -387,6 +443,11 @@ class Problem(BaseModel):
                     "lock_id": 1,
                     "holder": "worker-7@host-3",
                     "expires_at": _EXPIRES,
+                    "max_holders": 1,
+                    "holders": [
+                        {"lock_id": 1, "holder": "worker-7@host-3", "slot": 0, "expires_at": _EXPIRES}
+                    ],
+                    "holders_total": 1,
                 },
                 {
                     "type": "urn:helix-locks:problem:invalid-request",
@@ -424,7 +485,14 @@ class Problem(BaseModel):
         examples=["worker-7@host-3"],
     )
     holders: list[HolderBody] | None = Field(
-        default=None, description="409 lock-held only: every held lock of the key, by slot."
+        default=None,
+        description=f"409 lock-held only: at most {HOLDERS_LISTED} held locks of the key, those whose"
+        " leases run out first (by expires_at, then slot).",
+    )
+    holders_total: int | None = Field(
+        default=None,
+        description="409 lock-held only: how many locks hold the key, all of them, listed in holders or not.",
+        examples=[3],
     )
     max_holders: int | None = Field(
         default=None,

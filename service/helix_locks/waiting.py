@@ -52,8 +52,8 @@ class _Queue:
         self.turn = asyncio.Lock()  # FIFO: the head of the queue holds it
         self.wake = asyncio.Event()
         self.waiters = 0
-        # The refusal the head sleeps on (its lock_id: the lease it sleeps until; its holders: who
-        # held the key's slots then); None while it is not asleep.
+        # The refusal the head sleeps on (its lock_id: the lease it sleeps until; its holders_total:
+        # how many held the key's slots then); None while it is not asleep.
         self.sleeping_on: LockHeld | None = None
         # The max_holders the key was last found held with (None: not known).
         self.held_with: int | None = None
@@ -99,7 +99,8 @@ class Waiters:
             "organization_ids": [key[0] for key, _ in queues],
             "job_types": [key[1] for key, _ in queues],
             "lock_ids": [queue.sleeping_on and queue.sleeping_on.lock_id for _, queue in queues],
-            "holders": [queue.sleeping_on and len(queue.sleeping_on.holders) for _, queue in queues],
+            # Every holder, not only those the refusal lists (at most 20 of them).
+            "holders": [queue.sleeping_on and queue.sleeping_on.holders_total for _, queue in queues],
         }
         try:
             cursor = await conn.execute(queries.MISSED_RELEASES, params)

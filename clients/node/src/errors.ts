@@ -49,7 +49,8 @@ export class ApiError extends HelixLocksError {
 /**
  * Another holder has the lock (409 `lock-held`); of a semaphore, live locks hold every slot.
  * `lockId`, `holder` and `expiresAt` name the held lock whose lease runs out first; `holders`
- * lists every held lock; `retryAfter` is the seconds until that first lease ends (at least 1).
+ * lists at most 20 held locks, those whose leases run out first, and `holdersTotal` counts them
+ * all; `retryAfter` is the seconds until that first lease ends (at least 1).
  */
 export class LockHeldError extends ApiError {
   override name = "LockHeldError";
@@ -58,6 +59,7 @@ export class LockHeldError extends ApiError {
   readonly expiresAt: string | null;
   readonly maxHolders: number;
   readonly holders: Holder[];
+  readonly holdersTotal: number;
   declare readonly retryAfter: number;
 
   constructor(problem: Problem, retryAfter: number, requestId: string | null = null) {
@@ -75,6 +77,8 @@ export class LockHeldError extends ApiError {
     } else {
       this.holders = [];
     }
+    // A service older than 0021 lists every holder, and does not count them.
+    this.holdersTotal = typeof problem.holders_total === "number" ? problem.holders_total : this.holders.length;
   }
 }
 
