@@ -10,10 +10,11 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import Response
-from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from helix_locks import query
 
 ASSETS = Path(__file__).with_name("console")
 
@@ -31,7 +32,7 @@ HEADERS = {
 }
 
 
-class _Assets(StaticFiles):
+class _Assets(query.Files):
     """The console's files. A path with a trailing slash names a folder, never a file."""
 
     def get_path(self, scope: Scope) -> str:
