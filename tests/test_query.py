@@ -60,6 +60,7 @@ async def test_every_route_refuses_a_query_parameter_it_does_not_declare(client:
         ("GET", "/docs?org=acme", {}),
         ("GET", "/docs/assets/swagger-ui.css?org=acme", {}),
         ("GET", "/console?org=acme", {}),
+        ("HEAD", "/console?org=acme", {}),
         ("GET", "/console/assets/console.js?org=acme", {}),
     ]
     for method, path, kwargs in requests:

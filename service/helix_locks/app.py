@@ -117,8 +117,11 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         return problems.from_error(InvalidArgument("body", "not a readable JSON document"))
     headers = dict(exc.headers or {})
     if exc.status_code == 405:
-        # Starlette names only the methods of the first route that matched the path.
-        headers["Allow"] = ", ".join(_methods_for(request))
+        # Starlette names only the methods of the first route that matched the path; the document
+        # names them all. A path it leaves out (the console, /docs) has one route, which names its own.
+        documented = _methods_for(request)
+        allowed = documented or sorted(method.strip() for method in headers.get("Allow", "").split(","))
+        headers["Allow"] = ", ".join(method for method in allowed if method)
     return problems.problem(
         exc.status_code,
         f"http-{exc.status_code}",
