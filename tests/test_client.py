@@ -312,6 +312,51 @@ def test_the_client_verbs_print_json_release_and_current_included(db_url: str, t
         assert none.returncode == 1 and none.stdout == "" and "no lock is held" in none.stderr
 
 
+def test_renew_and_release_read_the_token_from_a_file_or_standard_input(db_url: str, tmp_path: Path) -> None:
+    """--token would show in `ps`: --token-file FILE and --token-file - (standard input) do not,
+    and a file that cannot be read, or holds nothing, is exit status 1 with a clear message."""
+
+    def helix_with(url: str, token: str, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        assert token not in " ".join(args), "the token is not on the command line"
+        env = {**os.environ, "HELIX_LOCKS_URL": url}
+        command = [sys.executable, "-m", "helix_locks.cli", *args]
+        return subprocess.run(
+            command, env=env, cwd=ROOT, text=True, input=stdin, capture_output=True, timeout=60
+        )
+
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        grants = [
+            json.loads(helix(url, "acquire", "--org", "acme", "--job-type", job).stdout)
+            for job in ("from-a-file", "from-stdin")
+        ]
+        token_file = tmp_path / "token"
+        token_file.write_text(grants[0]["token"] + "\n")
+        first, second = str(grants[0]["id"]), str(grants[1]["id"])
+        token, piped = grants[0]["token"], grants[1]["token"]
+        renewed = helix_with(url, token, "renew", first, "--token-file", str(token_file), "--ttl", "60")
+        assert renewed.returncode == 0 and json.loads(renewed.stdout)["state"] == "held", renewed.stderr
+        renewed = helix_with(url, piped, "renew", second, "--token-file", "-", stdin=f"{piped}\n")
+        assert renewed.returncode == 0, renewed.stderr
+        released = helix_with(url, token, "release", first, "--token-file", str(token_file))
+        assert released.returncode == 0 and json.loads(released.stdout)["state"] == "released", released
+        released = helix_with(url, piped, "release", second, "--token-file", "-", stdin=piped)
+        assert released.returncode == 0 and json.loads(released.stdout)["state"] == "released", released
+
+        empty = tmp_path / "empty"
+        empty.write_text("\n")
+        for args, stdin, says in (
+            (("--token-file", str(empty)), "", f"cannot read a lock token from {empty}: it is empty"),
+            (("--token-file", str(tmp_path / "missing")), "", "No such file or directory"),
+            (("--token-file", str(tmp_path)), "", "Is a directory"),
+            (("--token-file", "-"), "", "cannot read a lock token from standard input: it is empty"),
+        ):
+            refused = helix_with(url, token, "release", first, *args, stdin=stdin)
+            assert refused.returncode == 1, refused
+            assert says in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+        both = helix_with(url, token, "release", first, "--token", "x", "--token-file", str(empty))
+        assert both.returncode == 2 and "not allowed with" in both.stderr, both.stderr
+
+
 def test_run_against_a_refused_connection_says_so_and_exits_69_at_once() -> None:
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from asgi_lifespan import LifespanManager
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver import Chrome
 from selenium.webdriver.common.action_chains import ActionChains
@@ -23,6 +25,7 @@ from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
 from helix_locks import keys
+from helix_locks.app import create_app
 from helix_locks.console import CONTENT_SECURITY_POLICY
 from tests.support import ROUTE, needs_chromium, offline_chromium, running_service
 
@@ -243,8 +246,58 @@ async def test_the_page_is_served_with_a_strict_policy_and_no_key(client: httpx.
         )
         assert answer.headers.get("x-content-type-options") == "nosniff", (method, path)
         assert answer.headers.get("referrer-policy") == "no-referrer", (method, path)
+        if status == 405:  # the methods the page and its files do answer
+            assert answer.headers["allow"] == "GET, HEAD", (method, path)
     document = (await client.get("/openapi.json")).json()
     assert not [path for path in document["paths"] if path.startswith("/console")]
+
+
+@pytest.mark.anyio
+async def test_head_of_the_page_is_its_get_without_the_body(db_url: str) -> None:
+    """HEAD /console: 200 and the GET's headers (its Content-Length included), and the app sends
+    no body at all, whatever the server would do with one."""
+    app = create_app(ROUTE.settings(db_url, allow_anonymous=True))
+    bodies: list[bytes] = []
+    async with LifespanManager(app) as manager:
+
+        async def recording(scope: Any, receive: Any, send: Any) -> None:
+            async def keep(message: Any) -> None:
+                if message["type"] == "http.response.body" and scope["method"] == "HEAD":
+                    bodies.append(message.get("body", b""))
+                await send(message)
+
+            await manager.app(scope, receive, keep)
+
+        transport = httpx.ASGITransport(app=recording)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            page, head = await client.get("/console"), await client.head("/console")
+            refused = await client.post("/console")
+    assert head.status_code == 200 and head.content == b"" and bodies and b"".join(bodies) == b""
+    varying = {"x-request-id", "date"}
+    assert {k: v for k, v in head.headers.items() if k not in varying} == {
+        k: v for k, v in page.headers.items() if k not in varying
+    }
+    assert int(head.headers["content-length"]) == len(page.content) > 0
+    assert refused.status_code == 405 and refused.headers["allow"] == "GET, HEAD"
+
+
+def test_head_of_the_page_leaves_a_real_connection_ready_for_the_next_request(
+    db_url: str, tmp_path: Path
+) -> None:
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                b"HEAD /console HTTP/1.1\r\nHost: localhost\r\n\r\n"
+                b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+            )
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+    head, _, rest = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head
+    assert b"content-type: text/html" in head.lower() and b"content-security-policy" in head.lower()
+    assert rest.startswith(b"HTTP/1.1 200 ") and rest.endswith(b'{"status":"ok"}'), rest
 
 
 @needs_chromium

@@ -1,15 +1,16 @@
 """The thin path of acquire, release and renew (helix_locks.hot) answers as FastAPI's routes do.
 
-Every request here is sent twice: as it is, which the thin path answers, and with a query string
-that nothing reads, which sends it to FastAPI's route. The two answers must agree in status,
-problem type, headers and body shape. That the thin path really answered is checked too, from the
-route it leaves in the request's scope.
+Every request here is sent twice, on one database: to the app, whose thin path answers it, and to
+the same app built without the thin path (HotRoutes taken out of its middleware), where FastAPI's
+route answers it. The two answers must agree in status, problem type, headers and body shape. That
+the thin path really answered is checked too, from the route it leaves in the request's scope.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -26,22 +27,40 @@ BODY = {"organization_id": "acme", "job_type": "report", "holder": "w1", "ttl_se
 VARYING = {"id", "token", "fencing_token", "acquired_at", "expires_at", "ttl_remaining_ms", "released_at"}
 
 
+@dataclass
+class Routes:
+    """A client of the app (thin path on) and one of the app without it, and the route each
+    request's scope named when it was answered, on either."""
+
+    thin: httpx.AsyncClient
+    fastapi: httpx.AsyncClient
+    seen: list[object]
+
+
 @pytest.fixture
-async def routes(db_url: str) -> AsyncIterator[tuple[httpx.AsyncClient, list[object]]]:
-    """A client of the app, and the route each request's scope named when it was answered."""
-    app = create_app(ROUTE.settings(db_url, allow_anonymous=True))
+async def routes(db_url: str) -> AsyncIterator[Routes]:
+    settings = ROUTE.settings(db_url, allow_anonymous=True)
+    app, without = create_app(settings), create_app(settings)
+    thin_path: object = hot.HotRoutes
+    without.user_middleware = [m for m in without.user_middleware if m.cls is not thin_path]
     seen: list[object] = []
 
-    async with LifespanManager(app) as manager:
+    async with LifespanManager(app) as manager, LifespanManager(without) as other:
 
-        async def recording(scope: Any, receive: Any, send: Any) -> None:
-            await manager.app(scope, receive, send)
-            if scope["type"] == "http":
-                seen.append(scope.get("route"))
+        def recording(asgi: Any) -> Any:
+            async def recorded(scope: Any, receive: Any, send: Any) -> None:
+                await asgi(scope, receive, send)
+                if scope["type"] == "http":
+                    seen.append(scope.get("route"))
 
-        transport = httpx.ASGITransport(app=recording)
-        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
-            yield client, seen
+            return recorded
+
+        def client(asgi: Any) -> httpx.AsyncClient:
+            transport = httpx.ASGITransport(app=recording(asgi))
+            return httpx.AsyncClient(transport=transport, base_url="http://localhost")
+
+        async with client(manager.app) as thin, client(other.app) as slow:
+            yield Routes(thin, slow, seen)
 
 
 def shape(response: httpx.Response) -> dict[str, Any]:
@@ -64,27 +83,26 @@ def shape(response: httpx.Response) -> dict[str, Any]:
 
 
 async def both(
-    client: httpx.AsyncClient, seen: list[object], method: str, path: str, **kwargs: Any
+    routes: Routes, method: str, path: str, **kwargs: Any
 ) -> tuple[httpx.Response, httpx.Response, object]:
     """The request by the thin path (asserted to have been taken), then by FastAPI's route."""
-    thin = await client.request(method, path, **kwargs)
-    taken = seen[-1]
-    slow = await client.request(method, f"{path}?by=fastapi", **kwargs)
-    assert not isinstance(seen[-1], hot.Route), "the query string sends a request to FastAPI"
+    thin = await routes.thin.request(method, path, **kwargs)
+    taken = routes.seen[-1]
+    slow = await routes.fastapi.request(method, path, **kwargs)
+    assert not isinstance(routes.seen[-1], hot.Route), "the app without the thin path"
     return thin, slow, taken
 
 
-async def test_an_acquire_answers_alike_on_both_paths(routes: tuple[httpx.AsyncClient, list[object]]) -> None:
-    client, seen = routes
-    thin, slow, taken = await both(client, seen, "POST", "/v1/locks", json=BODY)
+async def test_an_acquire_answers_alike_on_both_paths(routes: Routes) -> None:
+    thin, slow, taken = await both(routes, "POST", "/v1/locks", json=BODY)
     assert taken is hot.ACQUIRE
     assert thin.status_code == 201 and slow.status_code == 409
     # The conflict, by both paths; then each path's grant of a free key.
-    conflict, conflict_slow, _ = await both(client, seen, "POST", "/v1/locks", json=BODY)
+    conflict, conflict_slow, _ = await both(routes, "POST", "/v1/locks", json=BODY)
     assert shape(conflict) == shape(conflict_slow) and conflict.status_code == 409
     other = {**BODY, "job_type": "other"}
-    granted = await client.post("/v1/locks", json=other)
-    granted_slow = await client.post("/v1/locks?by=fastapi", json={**other, "job_type": "third"})
+    granted = await routes.thin.post("/v1/locks", json=other)
+    granted_slow = await routes.fastapi.post("/v1/locks", json={**other, "job_type": "third"})
     assert granted.status_code == granted_slow.status_code == 201
     assert shape(granted)["headers"] == shape(granted_slow)["headers"]
     assert set(granted.json()) == set(granted_slow.json())
@@ -109,18 +127,17 @@ async def test_an_acquire_answers_alike_on_both_paths(routes: tuple[httpx.AsyncC
     ],
 )
 async def test_every_odd_acquire_answers_alike(
-    routes: tuple[httpx.AsyncClient, list[object]], content: bytes, headers: dict[str, str], status: int
+    routes: Routes, content: bytes, headers: dict[str, str], status: int
 ) -> None:
-    client, seen = routes
-    await client.post("/v1/locks", json=BODY)  # holds the key of the valid bodies
+    await routes.thin.post("/v1/locks", json=BODY)  # holds the key of the valid bodies
     headers = {"content-type": "application/json", **headers}
-    thin, slow, _ = await both(client, seen, "POST", "/v1/locks", content=content, headers=headers)
+    thin, slow, _ = await both(routes, "POST", "/v1/locks", content=content, headers=headers)
     assert thin.status_code == status
     assert shape(thin) == shape(slow)
 
 
-async def test_release_and_renew_answer_alike(routes: tuple[httpx.AsyncClient, list[object]]) -> None:
-    client, seen = routes
+async def test_release_and_renew_answer_alike(routes: Routes) -> None:
+    client, seen = routes.thin, routes.seen
     first = (await client.post("/v1/locks", json=BODY)).json()
     second = (await client.post("/v1/locks", json={**BODY, "job_type": "second"})).json()
     wrong = {"Lock-Token": "x"}
@@ -136,23 +153,42 @@ async def test_release_and_renew_answer_alike(routes: tuple[httpx.AsyncClient, l
         ("POST", f"/v1/locks/{first['id']}/renew", {"content": b"{", "headers": {"Lock-Token": "x"}}),
     ]
     for method, path, kwargs in cases:
-        thin, slow, _ = await both(client, seen, method, path, **kwargs)
+        thin, slow, _ = await both(routes, method, path, **kwargs)
         assert shape(thin) == shape(slow), (method, path, kwargs)
     token = {"Lock-Token": first["token"]}
     renewed = await client.post(f"/v1/locks/{first['id']}/renew", json={"ttl_seconds": 60}, headers=token)
     assert seen[-1] is hot.RENEW
     second_token = {"Lock-Token": second["token"]}
-    renewed_slow = await client.post(
-        f"/v1/locks/{second['id']}/renew?by=fastapi", json={"ttl_seconds": 60}, headers=second_token
+    renewed_slow = await routes.fastapi.post(
+        f"/v1/locks/{second['id']}/renew", json={"ttl_seconds": 60}, headers=second_token
     )
     assert renewed.status_code == renewed_slow.status_code == 200
     assert set(renewed.json()) == set(renewed_slow.json()) and renewed.json()["lapsed"] is False
     released = await client.delete(f"/v1/locks/{first['id']}", headers=token)
     assert seen[-1] is hot.RELEASE
-    released_slow = await client.delete(f"/v1/locks/{second['id']}?by=fastapi", headers=second_token)
+    released_slow = await routes.fastapi.delete(f"/v1/locks/{second['id']}", headers=second_token)
     assert released.status_code == released_slow.status_code == 204
-    again, again_slow, _ = await both(client, seen, "DELETE", f"/v1/locks/{first['id']}", headers=token)
+    again, again_slow, _ = await both(routes, "DELETE", f"/v1/locks/{first['id']}", headers=token)
     assert again.status_code == 410 and shape(again) == shape(again_slow)
+
+
+async def test_an_unknown_query_parameter_is_refused_alike_on_both_paths(routes: Routes) -> None:
+    """The thin path hands a request with a query string to FastAPI, whose route refuses a
+    parameter it does not declare, 422 naming it, before anything is granted, renewed or released."""
+    lock = (await routes.thin.post("/v1/locks", json={**BODY, "job_type": "kept"})).json()
+    token = {"Lock-Token": lock["token"]}
+    at = f"/v1/locks/{lock['id']}"
+    for method, path, name, kwargs in (
+        ("POST", "/v1/locks?org=acme", "org", {"json": BODY}),
+        ("POST", f"{at}/renew?ttl=5", "ttl", {"json": {"ttl_seconds": 5}, "headers": token}),
+        ("DELETE", f"{at}?forse=true", "forse", {"headers": token}),
+    ):
+        thin, slow, taken = await both(routes, method, path, **kwargs)
+        assert not isinstance(taken, hot.Route), "a query string goes to FastAPI"
+        assert thin.status_code == 422 and shape(thin) == shape(slow), (method, path)
+        assert thin.json()["errors"] == [{"field": name, "message": "Extra inputs are not permitted"}]
+    listed = (await routes.thin.get("/v1/locks")).json()["items"]
+    assert [(found["id"], found["expires_at"]) for found in listed] == [(lock["id"], lock["expires_at"])]
 
 
 def test_the_thin_path_reads_every_parameter_the_routes_declare(db_url: str) -> None:

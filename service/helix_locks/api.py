@@ -16,7 +16,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
-from helix_locks import logs, migrate, problems
+from helix_locks import logs, migrate, problems, query
 from helix_locks.db import Database
 from helix_locks.errors import (
     DatabaseUnavailable,
@@ -193,7 +193,7 @@ def json_body(body: BaseModel, status_code: int = 200, headers: Mapping[str, str
     return Response(body.model_dump_json(), status_code, headers, media_type="application/json")
 
 
-router = APIRouter(prefix="/v1", tags=["locks"])
+router = APIRouter(prefix="/v1", tags=["locks"], route_class=query.Route)
 
 
 @router.post(
@@ -573,10 +573,10 @@ async def _naming_the_lock(answered: Outcome) -> AsyncIterator[None]:
         raise
 
 
-health = APIRouter(tags=["service"])
+health = APIRouter(tags=["service"], route_class=query.Route)
 
 
-@health.get("/healthz", summary="Liveness", operation_id="healthz")
+@health.get("/healthz", summary="Liveness", operation_id="healthz", responses=problems.responses())
 async def healthz() -> dict[str, Literal["ok"]]:
     """The process is alive."""
     return {"status": "ok"}

@@ -19,12 +19,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
-from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path
 
-from helix_locks import api, console, hot, problems, queries, telemetry
+from helix_locks import api, console, hot, problems, queries, query, telemetry
 from helix_locks.db import Database, create_pool
 from helix_locks.errors import (
     BodyTooLarge,
@@ -118,8 +117,11 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         return problems.from_error(InvalidArgument("body", "not a readable JSON document"))
     headers = dict(exc.headers or {})
     if exc.status_code == 405:
-        # Starlette names only the methods of the first route that matched the path.
-        headers["Allow"] = ", ".join(_methods_for(request))
+        # Starlette names only the methods of the first route that matched the path; the document
+        # names them all. A path it leaves out (the console, /docs) has one route, which names its own.
+        documented = _methods_for(request)
+        allowed = documented or sorted(method.strip() for method in headers.get("Allow", "").split(","))
+        headers["Allow"] = ", ".join(method for method in allowed if method)
     return problems.problem(
         exc.status_code,
         f"http-{exc.status_code}",
@@ -261,6 +263,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(
         docs_url=None,  # served below, with Swagger UI's files from the package
         redoc_url=None,
+        openapi_url=None,  # served below, by a route that refuses unknown query parameters too
         title="Helix Locks",
         version="0.1.0",
         summary="A lock authority for background workers: one job per organization and job type at once.",
@@ -271,10 +274,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # and logger providers on every request is a cost with nothing to show for it.
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
+    app.router.route_class = query.Route  # every route refuses a query parameter it does not declare
     app.include_router(api.router)
     app.include_router(api.health)
+
+    @app.api_route("/openapi.json", methods=["GET", "HEAD"], include_in_schema=False)
+    async def openapi_document(request: Request) -> JSONResponse:
+        # request.app, not `app`: FastAPI keeps endpoints in caches that outlive their app.
+        return JSONResponse(request.app.openapi())
+
     # /docs from files of our own, not a CDN: it works where the service's users have no internet.
-    app.mount("/docs/assets", StaticFiles(directory=swagger_ui_path), name="docs-assets")
+    app.mount("/docs/assets", query.Files(directory=swagger_ui_path), name="docs-assets")
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:

@@ -29,6 +29,8 @@ SERVER_MODULES = {
     "prometheus_client",
     "structlog",
 }
+# --token-file's name for standard input.
+STDIN = "-"
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
@@ -47,10 +49,30 @@ def _api_key(args: argparse.Namespace) -> str | None:
     if path is None:
         key: str | None = args.api_key
         return key
+    return _first_line(path, "an API key")
+
+
+def _token(args: argparse.Namespace) -> str:
+    """--token, or the first line of --token-file (which `ps` does not show), `-` being standard
+    input."""
+    path: Path | None = args.token_file
+    if path is None:
+        token: str = args.token
+        return token
+    return _first_line(path, "a lock token", stdin=str(path) == STDIN)
+
+
+def _first_line(path: Path, what: str, stdin: bool = False) -> str:
+    """The first line of a file (or of standard input) that holds a secret; exit status 1, saying
+    why, when it cannot be read or holds nothing."""
+    source = "standard input" if stdin else str(path)
     try:
-        return path.read_text().strip().splitlines()[0].strip()
-    except (OSError, IndexError, UnicodeDecodeError) as exc:
-        raise SystemExit(f"helix-locks: cannot read an API key from {path}: {exc}") from exc
+        lines = (sys.stdin.read() if stdin else path.read_text()).strip().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"helix-locks: cannot read {what} from {source}: {exc}") from exc
+    if not lines:
+        raise SystemExit(f"helix-locks: cannot read {what} from {source}: it is empty")
+    return lines[0].strip()
 
 
 def _print_json(value: object) -> None:
@@ -73,9 +95,9 @@ def client_command(args: argparse.Namespace) -> int:
                 )
                 _print_json(grant.body)
             elif args.command == "renew":
-                _print_json(client.renew(args.lock_id, args.token, args.ttl))
+                _print_json(client.renew(args.lock_id, _token(args), args.ttl))
             elif args.command == "release":
-                client.release(args.lock_id, args.token)
+                client.release(args.lock_id, _token(args))
                 _print_json(client.get(args.lock_id))  # as it ended: state, released_at
             elif args.command == "current":
                 held = client.current(args.org, args.job_type, args.slot)
@@ -256,7 +278,14 @@ def parser() -> argparse.ArgumentParser:
     for name, help_text in (("renew", "extend a lease"), ("release", "release a lock")):
         command = commands.add_parser(name, help=help_text)
         command.add_argument("lock_id", type=int)
-        command.add_argument("--token", required=True, help="the Lock-Token the acquire printed")
+        token = command.add_mutually_exclusive_group(required=True)
+        token.add_argument("--token", help="the Lock-Token the acquire printed; `ps` shows it")
+        token.add_argument(
+            "--token-file",
+            type=Path,
+            metavar="FILE",
+            help=f"read the Lock-Token from this file's first line ({STDIN}: standard input)",
+        )
         if name == "renew":
             command.add_argument("--ttl", type=float, default=30.0, help="new lease in seconds")
         client_options(command)

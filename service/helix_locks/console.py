@@ -10,10 +10,12 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.responses import Response
-from fastapi.staticfiles import StaticFiles
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from helix_locks import query
 
 ASSETS = Path(__file__).with_name("console")
 
@@ -22,6 +24,7 @@ CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
     "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
+MEDIA_TYPE = "text/html; charset=utf-8"
 HEADERS = {
     "Content-Security-Policy": CONTENT_SECURITY_POLICY,
     "X-Content-Type-Options": "nosniff",
@@ -31,7 +34,7 @@ HEADERS = {
 }
 
 
-class _Assets(StaticFiles):
+class _Assets(query.Files):
     """The console's files. A path with a trailing slash names a folder, never a file."""
 
     def get_path(self, scope: Scope) -> str:
@@ -70,6 +73,9 @@ def mount(app: FastAPI) -> None:
     app.mount("/console/assets", _Assets(directory=ASSETS), name="console-assets")
     app.add_middleware(_ConsoleHeaders)
 
-    @app.get("/console", include_in_schema=False)
-    async def console() -> Response:
-        return Response(page, media_type="text/html; charset=utf-8")
+    @app.api_route("/console", methods=["GET", "HEAD"], include_in_schema=False)
+    async def console(request: Request) -> Response:
+        """The page; to HEAD, the same answer without its body (its Content-Length included)."""
+        if request.method == "HEAD":
+            return Response(headers={"Content-Length": str(len(page))}, media_type=MEDIA_TYPE)
+        return Response(page, media_type=MEDIA_TYPE)

@@ -128,7 +128,8 @@ KINDS: Mapping[type[LockError], Kind] = {
         422,
         "invalid-request",
         "Invalid request",
-        "A parameter, header or body field is invalid, or the body is not JSON; errors names each.",
+        "A parameter, header or body field is invalid, a query parameter or body field is unknown, or"
+        " the body is not JSON; errors names each.",
         InvalidRequest([{"field": "ttl_seconds", "message": "Input should be less than or equal to 86400"}]),
         lambda exc: f"Invalid: {', '.join(error['field'] for error in exc.errors)}.",
         fields=lambda exc: {"errors": exc.errors},
@@ -384,10 +385,10 @@ def internal() -> ProblemResponse:
 
 def responses(*errors: type[LockError]) -> dict[int | str, dict[str, Any]]:
     """A route's problem responses for the OpenAPI document, with an example of each kind; any
-    route may also answer body-too-large (before it is routed) and service-stopping, and
-    `default` stands for internal-error."""
+    route may also answer invalid-request (a query parameter it does not declare), body-too-large
+    (before it is routed) and service-stopping, and `default` stands for internal-error."""
     found: dict[int | str, dict[str, Any]] = {}
-    for error in (*errors, BodyTooLarge, ShuttingDown, InternalError):
+    for error in dict.fromkeys((*errors, InvalidRequest, BodyTooLarge, ShuttingDown, InternalError)):
         kind = kind_of(error)
         key = "default" if error is InternalError else kind.status
         content = {"schema": {"$ref": "#/components/schemas/Problem"}, "examples": {}}
