@@ -205,7 +205,9 @@ async def test_an_event_id_from_before_retention_is_410_and_a_made_up_one_is_422
             async with Watch(url, last_event_id=made_up) as invalid:
                 assert invalid.status in (422, 431), invalid.problem
         async with Watch(url, last_event_id_query="nope") as invalid:
-            assert invalid.status == 200  # an unknown query parameter is ignored, as elsewhere
+            assert invalid.status == 422  # an unknown query parameter, as elsewhere
+            assert invalid.problem is not None
+            assert invalid.problem["errors"][0]["field"] == "last_event_id_query"
         async with httpx.AsyncClient(base_url=url) as http:
             response = await http.get("/v1/events", params={"last_event_id": "garbage"})
             assert response.status_code == 422
