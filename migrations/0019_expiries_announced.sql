@@ -12,8 +12,9 @@
 -- window by that transaction's id:
 -- - expired_xid: the transaction that announced the current lease's expiry. A reader announces
 --   the expiries that are due (helix_announce_expiries, below), or, if the lease ran out before
---   anyone did, the change that found it so announces it: the release, force or reclaim that came
---   after it (the trigger), or the renewal that revived it.
+--   anyone did, the change that found it so announces it: the release, force, reclaim or update
+--   that came after it (the trigger), the renewal that revived it, or a grant of another slot of
+--   the pair that locked it (migration 0022).
 -- - lapse_xids: beside lapses (0016), the transaction that announced each expiry a renewal
 --   revived: the announcer, if one came before the renewal, else the renewal itself.
 --
@@ -93,6 +94,11 @@ BEGIN
     ELSIF NEW.metadata IS DISTINCT FROM OLD.metadata THEN
         NEW.updated_xid := v_xid;
         NEW.updated_at := clock_timestamp();
+        -- An update of a lease that ran out announces the expiry, if no one did: the stream sends
+        -- it before the update, as a renewal's or a release's.
+        IF OLD.expired_xid IS NULL AND OLD.expires_at <= NEW.updated_at THEN
+            NEW.expired_xid := v_xid;
+        END IF;
     ELSIF NEW.expired_xid IS DISTINCT FROM OLD.expired_xid THEN
         NULL;  -- an announcement: changed_xid below
     ELSE

@@ -5,16 +5,17 @@ expiry the database's history denies (issue 34, findings 1 to 4)."""
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
+from psycopg.types.json import Jsonb
 
-from tests.support import Watch
-from tests.test_events import acquire, replicas
+from tests.support import ROUTE, Watch, running_service
+from tests.test_events import FAST, acquire, replicas
 
 pytestmark = pytest.mark.anyio
 
@@ -137,3 +138,104 @@ async def test_a_renewal_that_read_the_clock_before_the_lease_ran_out_leaves_no_
     assert lapses is None and renewed_at < ran_out, row
     for watch in (first, second):
         assert watch.kinds() == [("acquired", lock["id"]), ("renewed", lock["id"])]
+
+
+# Every change of a lock that finds its lease run out announces the expiry (a PATCH too), and so
+# does a grant of a semaphore's free slot for the pair's other leases it locked (migration 0022):
+# the expiry comes before them, live and resumed alike. (Found by review: the reader announced
+# them in a later window, and a resume, sorting one window by time, sent them in another order
+# than the live stream. Another PATCH of the holder, rolled back, holds the row a moment after the
+# commit, so that a reader's announcement could not come first.)
+
+UPDATE = "SELECT id FROM helix_update_job_lock(%s, %s, %s, NULL)"
+
+
+def _in_thread(
+    conn: psycopg.Connection[tuple[Any, ...]], query: str, params: tuple[Any, ...]
+) -> asyncio.Task[list[tuple[Any, ...]]]:
+    """A statement that may wait for a row lock, run while the test goes on."""
+    return asyncio.create_task(asyncio.to_thread(lambda: conn.execute(query, params).fetchall()))
+
+
+async def _until_after(moment: str, seconds: float) -> None:
+    ran_out = datetime.fromisoformat(moment)
+    await asyncio.sleep(max(0.0, (ran_out - datetime.now(UTC)).total_seconds()) + seconds)
+
+
+async def test_an_update_of_a_lapsed_lease_comes_after_its_expiry_live_and_resumed(
+    db_url: str, tmp_path: Path
+) -> None:
+    env = ROUTE.env(db_url, **FAST)
+    with running_service(env=env, log=tmp_path / "s.log") as (url, _):
+        async with httpx.AsyncClient(base_url=url) as http, Watch(url) as live:
+            lock = await acquire(http, job="patched", ttl=1)
+            await live.until(1)
+            args = (lock["id"], lock["token"])
+            with psycopg.connect(db_url) as patch, psycopg.connect(db_url) as aborted:
+                # The holder's PATCH after its lease ran out (the row held since before, so
+                # that no announcement comes first).
+                patch.execute(UPDATE, (*args, Jsonb({"step": 1})))
+                await _until_after(lock["expires_at"], 0.3)
+                patch.execute(UPDATE, (*args, Jsonb({"step": 2})))
+                waiting = _in_thread(aborted, UPDATE, (*args, Jsonb({"step": 3})))
+                await asyncio.sleep(0.1)
+                patch.commit()
+                await waiting
+                await asyncio.sleep(0.5)
+                aborted.rollback()
+            await live.until(3, within=5)
+            await live.quiet(0.5)
+            async with Watch(url, last_event_id=live.events[0].id) as resumed:
+                await resumed.until(2, within=5)
+                await resumed.quiet(0.5)
+    got_live = [(e.type, e.data["at"]) for e in live.events]
+    got_resumed = [(e.type, e.data["at"]) for e in resumed.events]
+    assert got_live[1:] == got_resumed, f"live {got_live[1:]} but resumed {got_resumed}"
+    assert [kind for kind, _ in got_live] == ["acquired", "expired", "updated"], got_live
+
+
+SEMAPHORE_GRANT = "SELECT id, slot FROM helix_acquire_job_lock(%s, %s, 'w', %s, NULL, NULL, 2)"
+
+
+async def test_a_resume_sends_a_semaphores_expiry_and_a_later_grant_in_the_live_order(
+    db_url: str, tmp_path: Path
+) -> None:
+    env = ROUTE.env(db_url, **FAST)
+    with running_service(env=env, log=tmp_path / "s.log") as (url, _):
+        async with httpx.AsyncClient(base_url=url) as http, Watch(url) as live:
+            body = {"organization_id": "acme", "job_type": "pool", "holder": "w", "ttl_seconds": 1}
+            response = await http.post("/v1/locks", json=body | {"max_holders": 2})
+            assert response.status_code == 201, response.text
+            first = response.json()
+            args = (first["id"], first["token"])
+            await live.until(1)
+            with (
+                psycopg.connect(db_url) as holder,
+                psycopg.connect(db_url) as granter,
+                psycopg.connect(db_url) as aborted,
+            ):
+                # Slot 0's holder updates its metadata in a transaction that holds the row a little
+                # past the lease's end; slot 1's grant waits for the row, then reads the clock.
+                holder.execute(UPDATE, (*args, Jsonb({"step": 1})))
+                grant = _in_thread(granter, SEMAPHORE_GRANT, ("acme", "pool", 30_000))
+                await _until_after(first["expires_at"], 0.2)
+                holder.commit()
+                [(second, slot)] = await grant
+                assert slot == 1
+                # Another PATCH of slot 0's holder, rolled back, holds the row a moment after the
+                # grant commits.
+                waiting = _in_thread(aborted, UPDATE, (*args, Jsonb({"step": 2})))
+                await asyncio.sleep(0.1)
+                granter.commit()
+                await waiting
+                await asyncio.sleep(0.5)
+                aborted.rollback()
+            await live.until(4, within=5)
+            await live.quiet(0.5)
+            async with Watch(url, last_event_id=live.events[1].id) as resumed:
+                await resumed.until(2, within=5)
+                await resumed.quiet(0.5)
+    changes = [kind for kind in live.kinds() if kind[0] != "updated"]
+    # The grant of slot 1 announced slot 0's expiry, which it found (0022): it comes first.
+    assert changes == [("acquired", first["id"]), ("expired", first["id"]), ("acquired", second)], changes
+    assert resumed.kinds() == live.kinds()[2:], f"live {live.kinds()[2:]} but resumed {resumed.kinds()}"
