@@ -343,3 +343,26 @@ async def test_when_the_database_history_goes_back_every_stream_ends(db_url: str
         lost = (await hub._event_ids()).encode(Position(Window(ahead, now, ahead, now), (now, 1, 0)))
         with pytest.raises(EventsExpired):
             await hub.watch(ANONYMOUS, None, None, None, lost)
+
+
+async def test_a_stream_cut_before_its_first_event_resumes_from_where_it_joined(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A stream is sent an id as it joins (no event: EventSource and the SDKs keep it as the last
+    id), so that a client cut before any event came resumes without losing what came meanwhile."""
+    with replicas(db_url, tmp_path, count=2) as [one, two]:
+        host, port = one.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"GET /v1/events HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        seen = b""
+        while b"\nid: " not in seen or not seen.endswith(b"\n\n\r\n"):
+            seen += await asyncio.wait_for(reader.read(4096), 10)
+        writer.close()
+        joined = seen.split(b"\nid: ", 1)[1].split(b"\n", 1)[0].decode()
+        async with httpx.AsyncClient(base_url=two) as http:
+            lock = await acquire(http, job="meanwhile")
+            async with Watch(two, last_event_id=joined) as resumed:
+                await resumed.until(1)
+                await resumed.quiet(0.5)
+    assert b"\nevent: " not in seen, seen
+    assert resumed.kinds() == [("acquired", lock["id"])]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import socket
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,7 +17,10 @@ import psycopg
 import pytest
 
 from helix_locks import keys
-from helix_locks.events import EventIds, Position, Window
+from helix_locks.db import Database, create_pool
+from helix_locks.errors import OrganizationWatchersFull
+from helix_locks.events import EventHub, EventIds, Position, Window
+from helix_locks.keys import Caller, KeyRing
 from tests.support import ROUTE, Watch, running_service
 from tests.test_events import FAST, acquire, event_ids, release, replicas
 
@@ -337,7 +341,9 @@ async def test_a_live_stream_that_falls_behind_is_ended_with_retry_and_its_resum
         writer.close()
         assert head.startswith(b"HTTP/1.1 200"), head
         assert body.endswith(b"\n\nretry: 1000\n\n"), body[-200:]
-        ids = [line[4:].decode() for line in body.split(b"\n") if line.startswith(b"id: ")]
+        # The events' ids (the first block's id, with no event, names where the stream joined).
+        blocks = [block.split(b"\n") for block in body.split(b"\n\n")]
+        ids = [lines[0][4:].decode() for lines in blocks if len(lines) > 1 and lines[0].startswith(b"id: ")]
         assert 0 < len(ids) < 600, len(ids)
         async with Watch(url, key=acme, last_event_id=ids[-1]) as resumed:
             await resumed.until(600 - len(ids), within=30)
@@ -493,3 +499,207 @@ def test_a_resume_reads_the_changes_of_its_own_organization_alone(db_url: str) -
     assert rows == (0,)
     assert "Index Cond: ((organization_id = 'acme'::text) AND (changed_xid >=" in window, window
     assert "rows=20000" not in window and "Rows Removed by Filter" not in window, window
+
+
+# A reader's window with more changes than one read may hold (some organization's burst, or a
+# reader away for long) is not read: its watchers catch up on their own, each on its own
+# organization's changes, and no stream ends for it. A stream is sent an id when it joins, so that
+# one cut before its first event resumes from there. (Found by review: every organization's
+# streams were ended, and one with no event yet lost its own change.)
+
+GRANT = "SELECT id FROM helix_acquire_job_lock(%s, %s, 'w', 30000, NULL, NULL)"
+
+
+async def test_one_organizations_burst_does_not_end_another_organizations_stream(
+    db_url: str, tmp_path: Path
+) -> None:
+    acme = keys.create(db_url, "acme")  # mallory's burst is written by its own worker (SQL)
+    env = ROUTE.env(db_url, **FAST, HELIX_LOCKS_EVENTS_REPLAY_LIMIT="5")
+    with running_service(env=env, log=tmp_path / "s.log") as (url, _):
+        async with httpx.AsyncClient(base_url=url) as http, Watch(url, key=acme) as theirs:
+            first = await acquire(http, acme, org="acme", job="before")
+            await theirs.until(1)
+            # Mallory's six grants commit together (its own transaction; or six requests that
+            # land in one read).
+            with psycopg.connect(db_url) as conn:
+                for n in range(6):
+                    conn.execute(GRANT, ("mallory", f"burst-{n}"))
+            await asyncio.sleep(1.0)
+            ended, outcome = theirs.ended.is_set(), theirs.outcome
+            later = await acquire(http, acme, org="acme", job="after")
+            await asyncio.sleep(0.5)
+            kinds = theirs.kinds()
+    assert not ended, f"acme's stream was ended ({outcome}) by mallory's burst of 6 grants"
+    assert kinds == [("acquired", first["id"]), ("acquired", later["id"])], kinds
+
+
+async def test_a_stream_ended_for_another_organizations_burst_loses_its_own_change(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Acme's stream has had no event yet (so no id); acme's own grant commits in the window that
+    mallory's burst overflows. The stream ends with `retry:` and no id, so the client reconnects
+    afresh (what EventSource and the SDKs do), and acme's grant never reaches it."""
+    acme = keys.create(db_url, "acme")
+    slow = {**FAST, "HELIX_LOCKS_EVENTS_POLL_MS": "500"}
+    env = ROUTE.env(db_url, **slow, HELIX_LOCKS_EVENTS_REPLAY_LIMIT="5")
+    with running_service(env=env, log=tmp_path / "s.log") as (url, _):
+        async with Watch(url, key=acme) as theirs:
+            # Acme's worker and mallory's burst commit within a millisecond (one window).
+            with psycopg.connect(db_url) as ours, psycopg.connect(db_url) as burst:
+                [(granted,)] = ours.execute(GRANT, ("acme", "report")).fetchall()
+                for n in range(6):
+                    burst.execute(GRANT, ("mallory", f"burst-{n}"))
+                ours.commit()
+                burst.commit()
+            await theirs.quiet(1.5)
+            ended, got = theirs.ended.is_set(), theirs.kinds()
+        # What a client does next: resume with the last id it has, or, having none, watch afresh.
+        last = theirs.events[-1].id if theirs.events else None
+        async with Watch(url, key=acme, last_event_id=last) as again:
+            await again.quiet(1.5)
+            got_again = again.kinds()
+    assert ("acquired", granted) in got + got_again, (
+        f"acme's grant of lock {granted} never reached acme's watcher: its stream ended={ended} "
+        f"with events {got} (no id to resume from), and the next stream got {got_again}"
+    )
+
+
+# A window that takes longer to read than a statement may (statement timeout) is given up the same
+# way, rather than read again and again while it grows; and a catch-up reads again from where it
+# ended until little is left, so that the bridge the reader's one statement reads for it holds a
+# poll's changes, however slowly its client reads. (Found by review: one organization's slowly
+# read resume stopped the reader of every organization for good.)
+
+
+async def _arrived(watch: Watch, lock_id: int, within: float) -> bool:
+    """Whether the lock's `acquired` reaches the open stream within that many seconds."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and not watch.ended.is_set():
+        if ("acquired", lock_id) in watch.kinds():
+            return True
+        await asyncio.sleep(0.05)
+    return ("acquired", lock_id) in watch.kinds()
+
+
+async def _trickle(port: int, key: str, last_event_id: str, fast: asyncio.Event) -> None:
+    """A resume read slowly (about 100 KiB a second: more than the edge's write rate asks, 64 KiB)
+    until `fast` is set, then as fast as it comes."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+    writer.write(
+        f"GET /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+        f"Last-Event-ID: {last_event_id}\r\n\r\n".encode()
+    )
+    try:
+        while True:
+            if not fast.is_set():
+                await reader.readexactly(16 * 1024)
+                await asyncio.sleep(0.15)
+            elif not await reader.read(1 << 20):
+                return
+    finally:
+        writer.close()
+
+
+async def test_a_slowly_read_resume_of_one_organization_does_not_stop_every_stream_of_the_process(
+    db_url: str, tmp_path: Path
+) -> None:
+    acme, mallory = keys.create(db_url, "acme"), keys.create(db_url, "mallory")
+    # (A replay limit above the test's bursts: in the test, mallory's changes of a long catch-up
+    # come within seconds, and the reader's own windows must not overflow; see finding 1.)
+    env = ROUTE.env(
+        db_url, **FAST, HELIX_LOCKS_STATEMENT_TIMEOUT_MS="1000", HELIX_LOCKS_EVENTS_REPLAY_LIMIT="100000"
+    )
+    log = tmp_path / "s.log"
+    with running_service(env=env, log=log) as (url, _):
+        port = int(url.rsplit(":", 1)[1])
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            mallory_id = await _first_event_id(url, http, mallory, "mallory")
+            padded_history(db_url, "mallory", 150)  # 300 events of 8 KiB to catch up on
+            async with Watch(url, key=acme) as theirs:
+                fast = asyncio.Event()
+                reading = asyncio.create_task(_trickle(port, mallory, mallory_id, fast))
+                await asyncio.sleep(1.0)
+                # Mallory's workers go on meanwhile: 200,000 small changes, 250 a transaction.
+                started = time.monotonic()
+
+                def write() -> None:
+                    with psycopg.connect(db_url, autocommit=True) as conn:
+                        for batch in range(800):
+                            conn.execute(
+                                "INSERT INTO helix_job_locks (organization_id, job_type, holder, token,"
+                                " acquired_at, expires_at, fencing_token) SELECT 'mallory', %s || g, 'w',"
+                                " md5(g::text), clock_timestamp(), clock_timestamp() + interval '1 h', 1"
+                                " FROM generate_series(1, 250) g",
+                                (f"b{batch}-",),
+                            )
+
+                await asyncio.to_thread(write)
+                wrote = time.monotonic() - started
+                assert not reading.done(), "the trickle ended before mallory's changes were written"
+                # (Recorded, not asserted: in this compressed run the reader may already be stuck on
+                # its own window of mallory's changes, the same failure by another road.)
+                control = await acquire(http, acme, org="acme", job="control")
+                control_came = await _arrived(theirs, control["id"], 5)
+                fast.set()  # mallory reads the rest of its catch-up now: its watcher bridges
+                await asyncio.sleep(3)
+                lock = await acquire(http, acme, org="acme", job="report")
+                came = await _arrived(theirs, lock["id"], 10)
+                reading.cancel()
+    assert came, (
+        f"acme's grant of lock {lock['id']} did not reach acme's live stream in 10 s after a resume "
+        f"of mallory's bridged (writes took {wrote:.1f} s; acme's stream ended: {theirs.outcome}; "
+        f"acme's grant before the bridge arrived: {control_came})\n"
+        + "\n".join(line for line in log.read_text().splitlines() if "reader" in line)[-2000:]
+    )
+
+
+# The process's memory for events is shared among the organizations streaming: when another starts,
+# the streams of those past their smaller share are ended (most holding first), and a catch-up's
+# page holds what the shares leave room for (at least one event). (Found by review: the first
+# organization could fill the process, the second half of it again, and so on.)
+
+
+async def test_slow_resumes_of_several_organizations_stay_within_the_process_bound(db_url: str) -> None:
+    organizations = [f"org-{n}" for n in range(4)]
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        [(start,)] = conn.execute("SELECT pg_current_snapshot()::text").fetchall()
+    for organization in organizations:
+        padded_history(db_url, organization, 100)  # 200 events of 8 KiB to catch up on, each
+    now = datetime.now(UTC)
+    resume = event_ids(db_url).encode(Position(Window(start, now, start, now), (now, 0, 0)))
+
+    memory = 4 * 1024 * 1024
+    settings = ROUTE.settings(db_url, allow_anonymous=True)
+    pool = create_pool(settings)
+    await pool.open()
+    db = Database(pool, settings)
+    hub = EventHub(
+        db, KeyRing(db, allow_anonymous=True), poll_seconds=0.02, max_watchers=1000,
+        max_per_organization=1000, replay_limit=1000, stream_bytes=1024 * 1024, memory_bytes=memory,
+        organization_bytes=0, keep=None, keepalive_seconds=1,
+    )  # fmt: skip
+    admitted: dict[str, int] = {}
+    try:
+        for organization in organizations:
+            caller = Caller(f"key-{organization}", organization)
+            admitted[organization] = 0
+            while True:  # slow readers: each stream is never read after its head
+                try:
+                    await hub.watch(caller, None, organization, None, resume)
+                except OrganizationWatchersFull:
+                    break
+                admitted[organization] += 1
+                await asyncio.sleep(0.3)  # its first page is read and queued
+        held = hub.held
+    finally:
+        hub.close()
+        await db.close()
+    # A catch-up's page takes at least one event (8 KiB here) whatever the room: one per stream over.
+    assert held <= memory + sum(admitted.values()) * 9 * 1024, (
+        f"the process holds {held / 2**20:.1f} MiB of events for slow streams, past its bound of "
+        f"{memory / 2**20:.0f} MiB (HELIX_LOCKS_EVENTS_MEMORY_BYTES); streams admitted: {admitted}"
+    )

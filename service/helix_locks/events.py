@@ -60,6 +60,8 @@ CHUNK = 64 * 1024
 KEY_BYTES = 150
 # Expiries one announcement marks; the rest at the next poll.
 ANNOUNCE_AT_ONCE = 1000
+# The place before every event of a window.
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 # How often the reader checks that each watcher's API key still works.
 _KEY_CHECK_SECONDS = 1.0
 
@@ -207,6 +209,12 @@ class Watcher:
         """Bytes this stream holds in memory, about."""
         return self.queued + len(self.keys) * KEY_BYTES
 
+    @property
+    def at_bridge(self) -> bool:
+        """Whether it caught up and waits for the reader's next statement to join it."""
+        done = self.catching_up is None or self.catching_up.done()
+        return not self.live and not self.ended and self.bridge is not None and not self.keys and done
+
 
 class EventHub:
     """This process's event reader and its watchers. The reader runs only while someone watches,
@@ -293,6 +301,8 @@ class EventHub:
         self._watchers.append(watcher)
         self._per_organization[caller.organization_id] += 1
         try:
+            if self._per_organization[caller.organization_id] == 1:
+                self._rebalance()  # one more organization: every share is smaller
             if self._held_by_organization[caller.organization_id] >= self._share(caller.organization_id):
                 raise OrganizationWatchersFull(self._share(caller.organization_id), "bytes of events held")
             if resume is not None:
@@ -368,17 +378,31 @@ class EventHub:
             del self._held_by_organization[watcher.caller.organization_id]
 
     def _share(self, organization_id: str | None) -> int:
-        """What the organization's streams may hold in this process."""
-        if self.organization_bytes:
-            return self.organization_bytes
-        return self.memory_bytes // max(1, len(self._per_organization))
+        """What the organization's streams may hold in this process: the memory divided among the
+        organizations streaming, or less if a setting says so."""
+        fair = self.memory_bytes // max(1, len(self._per_organization))
+        return min(fair, self.organization_bytes) if self.organization_bytes else fair
 
-    def _over(self, watcher: Watcher, size: int) -> bool:
-        """Whether `size` more bytes would pass the stream's, its organization's or the process's
-        bound."""
+    def _rebalance(self) -> None:
+        """End the streams, most holding first, of each organization past its share (as shares
+        shrink when another organization starts streaming), so that together they stay within
+        the process's memory."""
+        for organization_id in list(self._held_by_organization):
+            share = self._share(organization_id)
+            if self._held_by_organization[organization_id] <= share:
+                continue
+            theirs = [w for w in self._watchers if w.caller.organization_id == organization_id and w.held]
+            for watcher in sorted(theirs, key=lambda w: w.held, reverse=True):
+                if self._held_by_organization[organization_id] <= share:
+                    break
+                self.leave(watcher, retry=True)
+
+    def _over(self, watcher: Watcher, size: int, *, stream: bool = True) -> bool:
+        """Whether `size` more bytes would pass the stream's (unless not asked), its
+        organization's or the process's bound."""
         organization_id = watcher.caller.organization_id
         return (
-            watcher.queued + size > self.stream_bytes
+            (stream and watcher.queued + size > self.stream_bytes)
             or self._held_by_organization[organization_id] + size > self._share(organization_id)
             or self._held + size > self.memory_bytes
         )
@@ -423,7 +447,8 @@ class EventHub:
     async def _resume(self, watcher: Watcher, resume: Position) -> None:
         """Read what followed the resume's event, as keys to send: the rest of its window, then
         from the window's end to now. Refused here, before the stream is answered: an id the
-        database has not reached, or more events than a replay may send."""
+        database has not reached, more events than a replay may send, or more than the
+        organization's share of memory."""
         window = resume.window
         rows = await self._catch_up_keys(
             watcher,
@@ -434,8 +459,15 @@ class EventHub:
             # A window this database has not reached: read before a failover to a standby that
             # lacked the last transactions (asynchronous replication).
             raise EventsExpired("the database has no such point in its history")
-        now = Window(window.until, window.until_at, until, until_at)
-        self._begin_catch_up(watcher, [window, now], rows, (until, until_at))
+        if watcher.ended:  # meanwhile the service began to stop, or made room for others
+            organization_id = watcher.caller.organization_id
+            raise (
+                ShuttingDown()
+                if self._closed
+                else OrganizationWatchersFull(self._share(organization_id), "bytes of events held")
+            )
+        self._hold_keys(watcher, [window, Window(window.until, window.until_at, until, until_at)], rows)
+        self._begin_catch_up(watcher, (until, until_at))
 
     async def _catch_up_keys(
         self,
@@ -469,11 +501,12 @@ class EventHub:
             )
         return rows
 
-    def _begin_catch_up(
-        self, watcher: Watcher, windows: list[Window], rows: list[DictRow], bridge: tuple[str, datetime]
-    ) -> None:
-        """Hold the catch-up's keys (row n is of windows[n - 1]) and send them a page at a time;
-        OrganizationWatchersFull if they would take the organization past its share."""
+    def _hold_keys(self, watcher: Watcher, windows: list[Window], rows: list[DictRow]) -> int:
+        """Hold a catch-up read's keys (row n is of windows[n - 1]) for the watcher to send, and
+        say how many; OrganizationWatchersFull if they would take its organization past its
+        share."""
+        if watcher.ended:
+            return 0
         keys = [(windows[row["n"] - 1], utc(row["at"]), row["id"], row["rank"]) for row in rows if row["id"]]
         organization_id = watcher.caller.organization_id
         size = len(keys) * KEY_BYTES
@@ -481,35 +514,69 @@ class EventHub:
             raise OrganizationWatchersFull(self._share(organization_id), "bytes of events held")
         watcher.keys.extend(keys)
         self._hold(watcher, size)
-        watcher.bridge, watcher.live = bridge, False
-        watcher.catching_up = asyncio.create_task(self._catch_up(watcher), name="helix-locks-catch-up")
+        return len(keys)
+
+    def _begin_catch_up(self, watcher: Watcher, start: tuple[str, datetime]) -> None:
+        """Catch the watcher up from `start` (a snapshot and its time), on statements of its own."""
+        watcher.live, watcher.bridge = False, start
+        task = self._catch_up(watcher)
+        watcher.catching_up = asyncio.create_task(task, name="helix-locks-catch-up")
 
     async def _catch_up(self, watcher: Watcher) -> None:
         """Send the watcher's keys a page at a time, each once the client took the one before;
-        then it waits at its bridge for the reader. A lock that retention deleted meanwhile ends
-        the stream (its resume is then older than what the database keeps)."""
+        then read from where they end to now, and again, until a read holds no more than a page.
+        The watcher then waits at that point (its bridge) for the reader's next statement, which
+        reads from there to the reader's own window: what came within a poll or so.
+
+        Ends the stream with `retry:` (the client resumes from what it took) when the database is
+        away, when the organization passes its share of memory, when more than a replay may send
+        came meanwhile, or when a lock went with retention (its resume is then refused as older
+        than what the database keeps)."""
         try:
             ids = await self._event_ids()
-            while watcher.keys:
-                await watcher.drained.wait()
-                page = [watcher.keys[n] for n in range(min(PAGE, len(watcher.keys)))]
-                async with self._turn(watcher):
-                    rows = await self.db.fetch_all(queries.EVENT_LOCKS, {"ids": [key[2] for key in page]})
-                found = {row["id"]: row for row in rows}
-                if any(key[2] not in found for key in page):
-                    self.leave(watcher, retry=True)
+            while True:
+                if not await self._send_keys(watcher, ids):
                     return
-                for _ in page:
-                    watcher.keys.popleft()
-                self._hold(watcher, -len(page) * KEY_BYTES)
-                events = [_event(ids, window, at, rank, found[lock_id]) for window, at, lock_id, rank in page]
-                self._queue(watcher, events, joining=True)
-            self._start_reader()
-        except LockError:  # the database is away: the client resumes from what it took
+                assert watcher.bridge is not None
+                start = watcher.bridge
+                rows = await self._catch_up_keys(watcher, [(start[0], None, None)])
+                watcher.bridge = (rows[0]["snapshot"], rows[0]["until_at"])
+                if self._hold_keys(watcher, [Window(*start, *watcher.bridge)], rows) <= PAGE:
+                    if await self._send_keys(watcher, ids):
+                        self._start_reader()
+                    return
+        except LockError:
             self.leave(watcher, retry=True)
         except Exception:  # a bug: end the stream (it resumes) rather than leave it silent
             logger.exception("event catch-up failed")
             self.leave(watcher, retry=True)
+
+    async def _send_keys(self, watcher: Watcher, ids: EventIds) -> bool:
+        """Send the watcher's keys, a page once the client took the one before: as much of the
+        page as its organization's share and the process's memory leave room for, and at least
+        one event. False if a lock was gone (the stream is then ended)."""
+        while watcher.keys:
+            await watcher.drained.wait()
+            page = [watcher.keys[n] for n in range(min(PAGE, len(watcher.keys)))]
+            async with self._turn(watcher):
+                rows = await self.db.fetch_all(queries.EVENT_LOCKS, {"ids": [key[2] for key in page]})
+            found = {row["id"]: row for row in rows}
+            if any(key[2] not in found for key in page):
+                self.leave(watcher, retry=True)
+                return False
+            events: list[Event] = []
+            grown = 0  # what the events add, less what their keys held
+            for window, at, lock_id, rank in page:
+                event = _event(ids, window, at, rank, found[lock_id])
+                if events and self._over(watcher, grown + len(event.wire) - KEY_BYTES, stream=False):
+                    break
+                events.append(event)
+                grown += len(event.wire) - KEY_BYTES
+            for _ in events:
+                watcher.keys.popleft()
+            self._hold(watcher, -len(events) * KEY_BYTES)
+            self._queue(watcher, events, joining=True)
+        return True
 
     @asynccontextmanager
     async def _turn(self, watcher: Watcher) -> AsyncIterator[None]:
@@ -561,11 +628,16 @@ class EventHub:
                 if window is None:
                     row = await self.db.fetch_first(queries.EVENTS_START, {})
                     window, due = (row["snapshot"], row["until_at"]), False
-                    self._join_fresh()
+                    self._join_fresh(await self._event_ids(), window)
                 else:
                     window, due = await self._next(window)
                 failures = 0
             except LockError as exc:  # the database is away, or slow: try again
+                if window is not None and isinstance(exc.__cause__, psycopg.errors.QueryCanceled):
+                    # The window takes longer to read than a statement may (it grew while the
+                    # reader was away): the watchers catch up on their own; this starts afresh.
+                    self._fall_back(window)
+                    window = None
                 failures += 1
                 for watcher in [w for w in self._watchers if not w.joined.done() and not w.resumed]:
                     self.leave(watcher, exc)
@@ -579,17 +651,24 @@ class EventHub:
                 await self._end_revoked()
             await asyncio.sleep(self.poll_seconds)
 
-    def _join_fresh(self) -> None:
-        for watcher in self._watchers:
-            if not watcher.resumed and not watcher.joined.done():
-                watcher.live = True
-                watcher.joined.set_result(None)
+    def _join_fresh(self, ids: EventIds, start: tuple[str, datetime]) -> None:
+        """Join the fresh watchers at the window that starts at `start`. Each is sent an id
+        naming that point before any event, so that a stream cut before its first event resumes
+        from where it joined."""
+        joining = [w for w in self._watchers if not w.resumed and not w.joined.done()]
+        if not joining:
+            return
+        at = Window(start[0], start[1], start[0], start[1])
+        mark = Event("", "", f"id: {ids.encode(Position(at, (EPOCH, 0, 0)))}\n\n".encode())
+        for watcher in joining:
+            watcher.live = True
+            self._queue(watcher, [mark], joining=True)
+            watcher.joined.set_result(None)
 
     async def _next(self, window: tuple[str, datetime]) -> tuple[tuple[str, datetime] | None, bool]:
         """Read the next window, send its events, and bridge the catch-ups that ended; the new
         window (None: start afresh) and whether expiries are due."""
-        bridging = [w for w in self._watchers if not w.live and w.bridge is not None and not w.keys]
-        bridging = [w for w in bridging if w.catching_up is None or w.catching_up.done()]
+        bridging = [w for w in self._watchers if w.at_bridge]
         starts: list[tuple[str, str | None, str | None, int]] = [(window[0], None, None, self.replay_limit)]
         starts += [(w.bridge[0], w.organization_id, w.job_type, PAGE) for w in bridging if w.bridge]
         params = {
@@ -612,13 +691,9 @@ class EventHub:
             if row["id"] is not None:
                 by_start.setdefault(row["n"], []).append(row)
         if len(by_start.get(1, [])) > self.replay_limit:
-            # More changes than one read may hold (the reader was away a long time): every live
-            # stream resumes from what it took, a page at a time.
-            logger.warning(
-                "event reader: more than %d changes in one window; streams resume", self.replay_limit
-            )
-            for watcher in [w for w in self._watchers if w.live]:
-                self.leave(watcher, retry=True)
+            # More changes than one read may hold (the reader was away a long time, or some
+            # organization's burst): the watchers catch up on their own; this starts afresh.
+            self._fall_back(window)
             return None, due
         read = Window(window[0], window[1], until, until_at)
         live = [_event(ids, read, utc(row["at"]), row["rank"], row) for row in by_start.get(1, [])]
@@ -640,7 +715,7 @@ class EventHub:
             bridge = Window(watcher.bridge[0], watcher.bridge[1], until, until_at)
             if len(found) > PAGE:
                 # Too much came while it caught up: it catches up again, from its bridge to now.
-                self._catch_up_again(watcher)
+                self._begin_catch_up(watcher, watcher.bridge)
                 continue
             self._queue(
                 watcher,
@@ -650,26 +725,21 @@ class EventHub:
             watcher.live, watcher.bridge = True, None
             if not watcher.joined.done():
                 watcher.joined.set_result(None)
-        self._join_fresh()
+        self._join_fresh(ids, (until, until_at))
         return (until, until_at), due
 
-    def _catch_up_again(self, watcher: Watcher) -> None:
-        assert watcher.bridge is not None
-        bridge = watcher.bridge
-        watcher.bridge = None
-        watcher.catching_up = asyncio.create_task(
-            self._catch_up_from(watcher, bridge), name="helix-locks-catch-up"
-        )
-
-    async def _catch_up_from(self, watcher: Watcher, start: tuple[str, datetime]) -> None:
-        """Catch up from a bridge that carried too much: read its window to now, then send it."""
-        try:
-            rows = await self._catch_up_keys(watcher, [(start[0], None, None)])
-            bridge = (rows[0]["snapshot"], rows[0]["until_at"])
-            window = Window(start[0], start[1], *bridge)
-            self._begin_catch_up(watcher, [window], rows, bridge)
-        except LockError:  # too far behind, or the database is away: it resumes from what it took
-            self.leave(watcher, retry=True)
+    def _fall_back(self, window: tuple[str, datetime]) -> None:
+        """The reader cannot read its window (more changes than one read may hold, or longer to
+        read than a statement may take): each live watcher catches up from that window's start,
+        and each one at its bridge from there, each on statements of its own that read its own
+        organization's changes alone, and joins the reader's next windows again."""
+        logger.warning("event reader: a window too large to read; its watchers catch up on their own")
+        for watcher in list(self._watchers):
+            if watcher.live:
+                self._begin_catch_up(watcher, window)
+            elif watcher.at_bridge:
+                assert watcher.bridge is not None
+                self._begin_catch_up(watcher, watcher.bridge)
 
     async def _end_revoked(self) -> None:
         verdicts: dict[str | None, bool] = {}
