@@ -59,7 +59,7 @@ class Settings(BaseSettings):
     # and resumes with Last-Event-ID.
     events_backlog: int = Field(default=10_000, ge=1)
     # Live locks (held, or lapsed and not yet reclaimed) of one organization; beyond it, 429
-    # (locks.py, LiveLockQuota: counted far from it, exact near it).
+    # (locks.py, LiveLockQuota: shares of the room far from it, one at a time near it; never past).
     max_live_locks_per_organization: int = Field(default=10_000, ge=1)
 
     @property
