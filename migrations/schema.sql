@@ -271,7 +271,7 @@ CREATE OR REPLACE FUNCTION public.helix_acquire_job_lock_on_share(p_organization
 AS $function$
 #variable_conflict use_column
 BEGIN
-    PERFORM pg_advisory_xact_lock_shared(hashtext('helix_live_lock_quota'), hashtext(p_organization_id));
+    PERFORM pg_advisory_xact_lock_shared(hashtext('helix_quota_share'), helix_quota_share_key(p_share));
     IF NOT EXISTS (
         SELECT FROM helix_quota_shares AS s
         WHERE s.id = p_share AND s.organization_id = p_organization_id AND s.until > clock_timestamp()
@@ -296,7 +296,8 @@ DECLARE
     v_adds boolean;  -- the acquire takes a free slot, unless it is a repeat
     v_repeat boolean;
     v_live bigint;  -- the organization's live locks
-    v_shared bigint;  -- the room its shares in force hold back
+    v_shared bigint;  -- the room its shares hold back
+    v_share bigint;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtext('helix_live_lock_quota'), hashtext(p_organization_id));
     SELECT count(*) FILTER (WHERE l.max_holders = p_max_holders) = count(*) AND count(*) < p_max_holders,
@@ -309,6 +310,23 @@ BEGIN
     IF v_adds THEN
         SELECT count(*) INTO v_live FROM helix_job_locks AS l
         WHERE l.organization_id = p_organization_id AND l.released_at IS NULL;
+        SELECT coalesce(sum(s.room), 0) INTO v_shared FROM helix_quota_shares AS s
+        WHERE s.organization_id = p_organization_id;
+        IF v_live + v_shared >= p_quota THEN
+            -- The room the shares hold back is needed: take each back once the acquires in
+            -- flight on it have committed, and count again, with nothing in flight.
+            FOR v_share IN
+                SELECT s.id FROM helix_quota_shares AS s
+                WHERE s.organization_id = p_organization_id
+                ORDER BY s.id
+            LOOP
+                PERFORM pg_advisory_xact_lock(hashtext('helix_quota_share'), helix_quota_share_key(v_share));
+                DELETE FROM helix_quota_shares AS s
+                WHERE s.organization_id = p_organization_id AND s.id = v_share;
+            END LOOP;
+            SELECT count(*) INTO v_live FROM helix_job_locks AS l
+            WHERE l.organization_id = p_organization_id AND l.released_at IS NULL;
+        END IF;
         IF v_live >= p_quota AND NOT v_repeat THEN
             RAISE EXCEPTION 'organization % has its quota of live locks', p_organization_id
                 USING ERRCODE = 'HL004', DETAIL = p_quota::text;
@@ -317,9 +335,10 @@ BEGIN
     RETURN QUERY SELECT * FROM helix_acquire_job_lock(
         p_organization_id, p_job_type, p_holder, p_ttl_ms, p_metadata, p_idempotency_key, p_max_holders
     );
-    -- Whether this call added a live lock: one it inserted, reclaiming none. (Only an acquire that
-    -- found a free slot can; nothing else grants in the organization while the lock is ours.)
-    IF v_adds AND EXISTS (
+    -- A repeat let through at the quota whose lease ran out before the acquire claimed it, and so
+    -- granted anew, is refused after all (the grant rolls back with the statement). Judged by
+    -- what this call did: it inserted a live lock, reclaiming none.
+    IF v_adds AND v_live >= p_quota AND EXISTS (
         SELECT FROM helix_job_locks AS l
         WHERE l.organization_id = p_organization_id
           AND l.job_type = p_job_type
@@ -327,19 +346,8 @@ BEGIN
           AND l.acquired_xid = pg_current_xact_id()
           AND l.reclaimed_lock_id IS NULL
     ) THEN
-        -- A repeat let through at the quota whose lease ran out before the acquire claimed it,
-        -- and so granted anew: refused after all (the grant rolls back with the statement).
-        IF v_live >= p_quota THEN
-            RAISE EXCEPTION 'organization % has its quota of live locks', p_organization_id
-                USING ERRCODE = 'HL004', DETAIL = p_quota::text;
-        END IF;
-        -- The room the shares hold back, if this grant took it, is taken back with them.
-        SELECT coalesce(sum(s.room), 0) INTO v_shared
-        FROM helix_quota_shares AS s
-        WHERE s.organization_id = p_organization_id AND s.until > clock_timestamp();
-        IF v_live + v_shared >= p_quota THEN
-            DELETE FROM helix_quota_shares AS s WHERE s.organization_id = p_organization_id;
-        END IF;
+        RAISE EXCEPTION 'organization % has its quota of live locks', p_organization_id
+            USING ERRCODE = 'HL004', DETAIL = p_quota::text;
     END IF;
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_acquire_job_lock_within_quota(text,text,text,bigint,jsonb,text,integer,integer) FROM PUBLIC;
@@ -681,6 +689,14 @@ BEGIN
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_prune_history(interval,integer) FROM PUBLIC;
 
+CREATE OR REPLACE FUNCTION public.helix_quota_share_key(p_share bigint)
+ RETURNS integer
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$
+    SELECT (p_share % 2147483647)::integer
+$function$;
+
 CREATE OR REPLACE FUNCTION public.helix_raise_if_ended(p_lock helix_job_locks)
  RETURNS void
  LANGUAGE plpgsql
@@ -762,12 +778,21 @@ CREATE OR REPLACE FUNCTION public.helix_share_quota(p_organization_id text, p_li
  SET search_path TO 'public', 'pg_temp'
 AS $function$
 DECLARE
+    v_share bigint;
     v_left bigint;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtext('helix_live_lock_quota'), hashtext(p_organization_id));
-    DELETE FROM helix_quota_shares AS s
-    WHERE s.organization_id = p_organization_id
-      AND (s.id = p_previous OR s.until <= clock_timestamp());
+    FOR v_share IN
+        SELECT s.id FROM helix_quota_shares AS s
+        WHERE s.organization_id = p_organization_id
+          AND (s.id = p_previous OR s.until <= clock_timestamp())
+        ORDER BY s.id
+    LOOP
+        IF pg_try_advisory_xact_lock(hashtext('helix_quota_share'), helix_quota_share_key(v_share)) THEN
+            DELETE FROM helix_quota_shares AS s
+            WHERE s.organization_id = p_organization_id AND s.id = v_share;
+        END IF;
+    END LOOP;
     SELECT count(*) INTO live
     FROM helix_job_locks AS l
     WHERE l.organization_id = p_organization_id AND l.released_at IS NULL;

@@ -85,7 +85,7 @@ ORDER BY 1
 
 # Functions that act on locks: their body names a lock table or the view, they take a lock row, or
 # they are a trigger's on a lock table.
-_LOCK_TABLES = "helix_(job_locks|job_lock_views|lock_keys|lock_waiters)"
+_LOCK_TABLES = "helix_(job_locks|job_lock_views|lock_keys|lock_waiters|quota_shares)"
 _FUNCTIONS = f"""
 SELECT p.oid::pg_catalog.regprocedure::text AS signature,
        p.pronargs, p.proargnames, p.proargmodes::text[] AS proargmodes,

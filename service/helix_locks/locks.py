@@ -180,14 +180,15 @@ class LiveLockQuota:
     something that every acquire of the organization shares). This process counts the
     organization's live locks at most once every FRESH_SECONDS (helix_share_quota, migration
     0020), and with the count the database hands it a share of the room below BAND of the limit:
-    a SHARE-th of what is left once every other process's share is held back. It lets at most
-    that many acquires through on the share (helix_acquire_job_lock_on_share), each under the
-    organization's advisory lock in shared mode, so that they never wait for each other, while a
-    count waits for those in flight and sees them. With no room to share, an acquire goes through
-    helix_acquire_job_lock_within_quota (migration 0013), which counts and grants under that lock
-    held exclusively, serialising only the acquires near the limit, and takes the shares back
-    when their room is what it grants; an acquire on a share taken back (ShareEnded) goes the
-    exact way too. The live locks plus the room of every share never exceed the limit.
+    a SHARE-th of what is left once the room of every share there is held back. It lets at most
+    that many acquires through on the share (helix_acquire_job_lock_on_share), each holding the
+    share's advisory lock in shared mode to its commit: they wait neither for each other nor for
+    a count. With no room to share, an acquire goes through helix_acquire_job_lock_within_quota
+    (migration 0013), which counts and grants one at a time per organization, holding the room of
+    the shares back, or, when it needs that room, taking the shares back once the acquires in
+    flight on them have committed. An acquire on a share that is gone (ShareEnded) goes the exact
+    way, or, if this process's own count replaced the share, once more on the new one. The live
+    locks, those in flight and the room left on the shares never exceed the limit together.
 
     A refusal from there is remembered for FULL_SECONDS, so that a stream of acquires at the
     limit costs one count each tenth of a second, not one each; an acquire of a key that has a

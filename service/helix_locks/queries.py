@@ -139,10 +139,10 @@ LIMIT 1
 )
 
 # The live-lock quota (locks.py, LiveLockQuota; migrations 0013 and 0020). Far from the quota: an
-# acquire let through on a share of the room, under the organization's advisory lock in shared
-# mode (HL005 once the share has ended or was taken back), and the count that hands a process its
-# share, under that lock held exclusively. Near it: the same acquire, counted and granted under
-# that lock held exclusively; HL004 beyond the quota.
+# acquire let through on a share of the room, under the share's advisory lock in shared mode
+# (HL005 once the share is gone or past its time), and the count that hands a process its share.
+# Near it: the same acquire, counted and granted one at a time per organization; HL004 beyond the
+# quota.
 ACQUIRE_ON_SHARE = (
     "SELECT "
     + LOCK
