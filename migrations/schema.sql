@@ -89,6 +89,15 @@ CREATE TABLE helix_lock_waiters (
 CREATE INDEX helix_lock_waiters_key ON public.helix_lock_waiters USING btree (organization_id, job_type);
 CREATE INDEX helix_lock_waiters_until ON public.helix_lock_waiters USING btree (until);
 
+CREATE TABLE helix_quota_shares (
+    organization_id text NOT NULL,
+    id bigint GENERATED ALWAYS AS IDENTITY NOT NULL,
+    room integer NOT NULL,
+    until timestamp with time zone NOT NULL,
+    CONSTRAINT helix_quota_shares_pkey PRIMARY KEY (organization_id, id),
+    CONSTRAINT helix_quota_shares_room_positive CHECK (room > 0)
+);
+
 CREATE TABLE helix_schema_migrations (
     name text NOT NULL,
     checksum text NOT NULL,
@@ -284,6 +293,29 @@ END $function$;
 REVOKE EXECUTE ON FUNCTION helix_acquire_job_lock(text,text,text,bigint,jsonb,text,integer) FROM PUBLIC;
 COMMENT ON FUNCTION helix_acquire_job_lock(text,text,text,bigint,jsonb,text,integer) IS 'Grants a free slot of the pair, reclaiming expired locks and announcing the expiries of the others it leaves (0022), in one statement; or raises 23505 whose DETAIL names the lock whose lease runs out first and lists at most 20 holders, those whose leases run out first, with holders_total (0021): an answer bounded whatever max_holders.';
 
+CREATE OR REPLACE FUNCTION public.helix_acquire_job_lock_on_share(p_organization_id text, p_job_type text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text, p_max_holders integer, p_share bigint)
+ RETURNS TABLE(id bigint, organization_id text, job_type text, holder text, fencing_token bigint, acquired_at timestamp with time zone, expires_at timestamp with time zone, released_at timestamp with time zone, release_reason text, state text, ttl_remaining_ms bigint, metadata jsonb, max_holders integer, slot integer, token text, reclaimed_lock_id bigint, reclaimed_holder text, reclaimed_expired_at timestamp with time zone)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'public', 'pg_temp'
+AS $function$
+#variable_conflict use_column
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('helix_quota_share'), helix_quota_share_key(p_share));
+    IF NOT EXISTS (
+        SELECT FROM helix_quota_shares AS s
+        WHERE s.id = p_share AND s.organization_id = p_organization_id AND s.until > clock_timestamp()
+    ) THEN
+        RAISE EXCEPTION 'the share % of organization %''s quota has ended', p_share, p_organization_id
+            USING ERRCODE = 'HL005';
+    END IF;
+    RETURN QUERY SELECT * FROM helix_acquire_job_lock(
+        p_organization_id, p_job_type, p_holder, p_ttl_ms, p_metadata, p_idempotency_key, p_max_holders
+    );
+END $function$;
+REVOKE EXECUTE ON FUNCTION helix_acquire_job_lock_on_share(text,text,text,bigint,jsonb,text,integer,bigint) FROM PUBLIC;
+COMMENT ON FUNCTION helix_acquire_job_lock_on_share(text,text,text,bigint,jsonb,text,integer,bigint) IS 'helix_acquire_job_lock, let through on a share of the quota: under the share''s advisory lock in shared mode to its commit, so that the share stays until it has committed; HL005 once the share is gone or past its time (migration 0020).';
+
 CREATE OR REPLACE FUNCTION public.helix_acquire_job_lock_within_quota(p_organization_id text, p_job_type text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text, p_quota integer, p_max_holders integer DEFAULT 1)
  RETURNS TABLE(id bigint, organization_id text, job_type text, holder text, fencing_token bigint, acquired_at timestamp with time zone, expires_at timestamp with time zone, released_at timestamp with time zone, release_reason text, state text, ttl_remaining_ms bigint, metadata jsonb, max_holders integer, slot integer, token text, reclaimed_lock_id bigint, reclaimed_holder text, reclaimed_expired_at timestamp with time zone)
  LANGUAGE plpgsql
@@ -295,6 +327,8 @@ DECLARE
     v_adds boolean;  -- the acquire takes a free slot, unless it is a repeat
     v_repeat boolean;
     v_live bigint;  -- the organization's live locks
+    v_shared bigint;  -- the room its shares hold back
+    v_share bigint;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtext('helix_live_lock_quota'), hashtext(p_organization_id));
     SELECT count(*) FILTER (WHERE l.max_holders = p_max_holders) = count(*) AND count(*) < p_max_holders,
@@ -307,6 +341,23 @@ BEGIN
     IF v_adds THEN
         SELECT count(*) INTO v_live FROM helix_job_locks AS l
         WHERE l.organization_id = p_organization_id AND l.released_at IS NULL;
+        SELECT coalesce(sum(s.room), 0) INTO v_shared FROM helix_quota_shares AS s
+        WHERE s.organization_id = p_organization_id;
+        IF v_live + v_shared >= p_quota THEN
+            -- The room the shares hold back is needed: take each back once the acquires in
+            -- flight on it have committed, and count again, with nothing in flight.
+            FOR v_share IN
+                SELECT s.id FROM helix_quota_shares AS s
+                WHERE s.organization_id = p_organization_id
+                ORDER BY s.id
+            LOOP
+                PERFORM pg_advisory_xact_lock(hashtext('helix_quota_share'), helix_quota_share_key(v_share));
+                DELETE FROM helix_quota_shares AS s
+                WHERE s.organization_id = p_organization_id AND s.id = v_share;
+            END LOOP;
+            SELECT count(*) INTO v_live FROM helix_job_locks AS l
+            WHERE l.organization_id = p_organization_id AND l.released_at IS NULL;
+        END IF;
         IF v_live >= p_quota AND NOT v_repeat THEN
             RAISE EXCEPTION 'organization % has its quota of live locks', p_organization_id
                 USING ERRCODE = 'HL004', DETAIL = p_quota::text;
@@ -315,17 +366,23 @@ BEGIN
     RETURN QUERY SELECT * FROM helix_acquire_job_lock(
         p_organization_id, p_job_type, p_holder, p_ttl_ms, p_metadata, p_idempotency_key, p_max_holders
     );
-    -- A repeat let through at the quota whose lease ran out before the acquire claimed it was
-    -- granted anew: refused after all if that added a live lock past the quota.
-    IF v_adds AND v_repeat AND v_live >= p_quota AND (
-        SELECT count(*) FROM helix_job_locks AS l
-        WHERE l.organization_id = p_organization_id AND l.released_at IS NULL
-    ) > v_live THEN
+    -- A repeat let through at the quota whose lease ran out before the acquire claimed it, and so
+    -- granted anew, is refused after all (the grant rolls back with the statement). Judged by
+    -- what this call did: it inserted a live lock, reclaiming none.
+    IF v_adds AND v_live >= p_quota AND EXISTS (
+        SELECT FROM helix_job_locks AS l
+        WHERE l.organization_id = p_organization_id
+          AND l.job_type = p_job_type
+          AND l.released_at IS NULL
+          AND l.acquired_xid = pg_current_xact_id()
+          AND l.reclaimed_lock_id IS NULL
+    ) THEN
         RAISE EXCEPTION 'organization % has its quota of live locks', p_organization_id
             USING ERRCODE = 'HL004', DETAIL = p_quota::text;
     END IF;
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_acquire_job_lock_within_quota(text,text,text,bigint,jsonb,text,integer,integer) FROM PUBLIC;
+COMMENT ON FUNCTION helix_acquire_job_lock_within_quota(text,text,text,bigint,jsonb,text,integer,integer) IS 'helix_acquire_job_lock near the quota: counted and granted under the quota''s advisory lock held exclusively, holding back the room of the shares, or taking them back (waiting for the acquires in flight on them) when it needs it; HL004 beyond the quota. A repeat is judged by what the call itself did (migration 0020).';
 
 CREATE OR REPLACE FUNCTION public.helix_announce_expiries(p_limit integer)
  RETURNS integer
@@ -723,6 +780,14 @@ BEGIN
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_prune_history(interval,integer) FROM PUBLIC;
 
+CREATE OR REPLACE FUNCTION public.helix_quota_share_key(p_share bigint)
+ RETURNS integer
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$
+    SELECT (p_share % 2147483647)::integer
+$function$;
+
 CREATE OR REPLACE FUNCTION public.helix_raise_if_ended(p_lock helix_job_locks)
  RETURNS void
  LANGUAGE plpgsql
@@ -798,6 +863,46 @@ BEGIN
         WHERE v.id = p_lock_id;
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_renew_job_lock(bigint,text,bigint,text) FROM PUBLIC;
+
+CREATE OR REPLACE FUNCTION public.helix_share_quota(p_organization_id text, p_limit integer, p_parts integer, p_seconds double precision, p_previous bigint)
+ RETURNS TABLE(live bigint, share_id bigint, share_room integer)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'public', 'pg_temp'
+AS $function$
+DECLARE
+    v_share bigint;
+    v_left bigint;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('helix_live_lock_quota'), hashtext(p_organization_id));
+    FOR v_share IN
+        SELECT s.id FROM helix_quota_shares AS s
+        WHERE s.organization_id = p_organization_id
+          AND (s.id = p_previous OR s.until <= clock_timestamp())
+        ORDER BY s.id
+    LOOP
+        IF pg_try_advisory_xact_lock(hashtext('helix_quota_share'), helix_quota_share_key(v_share)) THEN
+            DELETE FROM helix_quota_shares AS s
+            WHERE s.organization_id = p_organization_id AND s.id = v_share;
+        END IF;
+    END LOOP;
+    SELECT count(*) INTO live
+    FROM helix_job_locks AS l
+    WHERE l.organization_id = p_organization_id AND l.released_at IS NULL;
+    SELECT p_limit - live - coalesce(sum(s.room), 0) INTO v_left
+    FROM helix_quota_shares AS s
+    WHERE s.organization_id = p_organization_id;
+    share_room := 0;
+    IF v_left > 0 THEN
+        share_room := greatest(1, v_left / p_parts);
+        INSERT INTO helix_quota_shares AS s (organization_id, room, until)
+        VALUES (p_organization_id, share_room, clock_timestamp() + p_seconds * interval '1 second')
+        RETURNING s.id INTO share_id;
+    END IF;
+    RETURN NEXT;
+END $function$;
+REVOKE EXECUTE ON FUNCTION helix_share_quota(text,integer,integer,double precision,bigint) FROM PUBLIC;
+COMMENT ON FUNCTION helix_share_quota(text,integer,integer,double precision,bigint) IS 'A count of an organization''s live locks, and a share of the room left below p_limit once the room of every share there is held back (helix_quota_shares, migration 0020). Under the quota''s advisory lock held exclusively; acquires on shares never wait for it.';
 
 CREATE OR REPLACE FUNCTION public.helix_stop_waiting(p_id bigint)
  RETURNS bigint

@@ -18,7 +18,12 @@ import psycopg
 import pytest
 
 from helix_locks import keys
-from tests.support import ROUTE, rss_mb, running_service
+from helix_locks.app import create_app
+from helix_locks.locks import LiveLockQuota
+from tests.support import ROUTE, in_process, rss_mb, running_service
+from tests.test_api import lock_body
+from tests.test_exactly_once import Background, Conn, lock_waiters, until
+from tests.test_semaphores_abuse import _live_locks
 
 # Short deadlines, so that the tests wait seconds, not the defaults' ten.
 TIMEOUTS = {"HELIX_LOCKS_HEAD_TIMEOUT_SECONDS": "1", "HELIX_LOCKS_BODY_TIMEOUT_SECONDS": "1"}
@@ -319,6 +324,172 @@ def test_a_waiter_woken_by_a_release_at_the_quota_gets_the_lock(db_url: str, tmp
             assert gone.status_code == 204
             waiter.join(timeout=20)
             assert answers and answers[0].status_code == 201, answers[0].text if answers else "no answer"
+
+
+# Issue 34, items 5 and 6: the quota at its edge, with an acquire held up in the database. The
+# acquire let through on a count waits for its key's row, which a transaction of the test holds
+# (the row is inserted there, not committed: the acquire's INSERT ... ON CONFLICT waits for it);
+# the test waits for the backends it expects to wait, never for a time.
+SLOW_KEY = (
+    "INSERT INTO helix_lock_keys (organization_id, job_type, last_fencing_token) VALUES ('acme', 'slow', 0)"
+)
+
+
+def test_an_acquire_let_through_on_the_count_and_held_up_in_the_database_is_counted_at_the_quota(
+    db_url: str, tmp_path: Path, conn: Conn
+) -> None:
+    """Quota 20, 18 live: the process counts 18 and lets one acquire through on that count, which
+    then waits in the database for its key's row. The next three go the exact way (the count says
+    19, within the quota's last 5%). That way counted committed rows only: it granted two and
+    refused the third while the slow one was in flight, and its commit made 21 live locks. The
+    room the slow one was let through on is now a share that the exact way holds back, and takes
+    back, when it needs it, only once the acquires in flight on it have committed (migration
+    0020): 20 live, not one more."""
+    acme = keys.create(db_url, "acme")
+    env = ROUTE.env(db_url, HELIX_LOCKS_MAX_LIVE_LOCKS_PER_ORGANIZATION="20")
+    with (
+        running_service(env=env, log=tmp_path / "s.log") as (url, _),
+        httpx.Client(base_url=url, timeout=30) as http,
+    ):
+        assert [_acquire(http, acme, "acme", f"job-{n}").status_code for n in range(18)] == [201] * 18
+        exact: list[httpx.Response] = []
+        with psycopg.connect(db_url) as blocker:
+            blocker.execute(SLOW_KEY)
+            slow = Background(lambda: _acquire(http, acme, "acme", "slow"))
+            until(lambda: lock_waiters(conn) == 1, "the slow acquire waits for its key's row")
+
+            def the_other_three() -> None:
+                for n in range(18, 21):
+                    exact.append(_acquire(http, acme, "acme", f"job-{n}"))
+
+            rest = Background(the_other_three)
+            # Answered while the slow one is in flight, or waiting in the database for it.
+            until(lambda: len(exact) == 3 or lock_waiters(conn) == 2, "the other three are done or wait")
+            answered_meanwhile = [answer.status_code for answer in exact]
+            blocker.rollback()
+            first = slow.result()
+            rest.result()
+    live = _live_locks(db_url, "acme")
+    statuses = [first.status_code] + [answer.status_code for answer in exact]
+    assert live <= 20, (
+        f"{live} live locks with a quota of 20: the slow acquire answered {first.status_code}, the"
+        f" other three {statuses[1:]}, of which {answered_meanwhile} while it was in flight"
+    )
+    assert set(statuses) <= {201, 429}, statuses
+    assert live == 20 and statuses.count(201) == 2, f"{live} live, {statuses}: the quota is reached"
+
+
+def test_an_acquire_held_up_in_the_database_far_from_the_quota_holds_up_no_other(
+    db_url: str, tmp_path: Path, conn: Conn
+) -> None:
+    """Far from the quota, acquires are not serialised: with one acquire of the organization held
+    up in the database (its key's row held), 60 others of it are granted meanwhile, through the
+    counts that the process takes as its shares run out (quota 100: shares of 23 and less). Only
+    the exact way, near the quota, waits for an acquire in flight."""
+    acme = keys.create(db_url, "acme")
+    # The held-up acquire must outlast the others, however slow the machine.
+    env = ROUTE.env(
+        db_url, HELIX_LOCKS_MAX_LIVE_LOCKS_PER_ORGANIZATION="100", HELIX_LOCKS_STATEMENT_TIMEOUT_MS="60000"
+    )
+    with (
+        running_service(env=env, log=tmp_path / "s.log") as (url, _),
+        httpx.Client(base_url=url, timeout=30) as http,
+        psycopg.connect(db_url) as blocker,
+    ):
+        blocker.execute(SLOW_KEY)
+        slow = Background(lambda: _acquire(http, acme, "acme", "slow"))
+        until(lambda: lock_waiters(conn) == 1, "the slow acquire waits for its key's row")
+        statuses = [_acquire(http, acme, "acme", f"job-{n}").status_code for n in range(60)]
+        assert lock_waiters(conn) == 1, "the slow acquire is still held up"
+        blocker.rollback()
+        assert slow.result().status_code == 201
+    assert statuses == [201] * 60, statuses
+    assert _live_locks(db_url, "acme") == 61
+
+
+def test_a_replay_at_the_quota_is_judged_by_its_own_effect_while_another_acquire_commits(
+    db_url: str, tmp_path: Path, conn: Conn
+) -> None:
+    """A semaphore's grant, with an Idempotency-Key, and the organization at its quota of 20 (18
+    live, one acquire let through on the count and held up in the database, two granted the exact
+    way). The repeat of that grant, through another replica, adds no live lock and must be
+    answered the same lock and token (migration 0018). Migration 0018 judged it by counting the
+    organization's live locks after the acquire, and counted the held-up acquire, committed
+    meanwhile, as the repeat's own: 429. It is now judged by what this call did (migration 0020)."""
+    acme = keys.create(db_url, "acme")
+    env = ROUTE.env(db_url, HELIX_LOCKS_MAX_LIVE_LOCKS_PER_ORGANIZATION="20")
+    auth = {"Authorization": f"Bearer {acme}"}
+    body = {
+        "organization_id": "acme",
+        "job_type": "pool",
+        "holder": "w",
+        "ttl_seconds": 300,
+        "max_holders": 2,
+    }
+    repeat = {**auth, "Idempotency-Key": "lost-answer"}
+    with (
+        running_service(env=env, log=tmp_path / "a.log") as (one, _),
+        running_service(env=env, log=tmp_path / "b.log") as (two, _),
+        httpx.Client(base_url=one, timeout=30) as http,
+    ):
+        grant = http.post("/v1/locks", json=body, headers=repeat)
+        assert grant.status_code == 201, grant.text
+        assert [_acquire(http, acme, "acme", f"job-{n}").status_code for n in range(17)] == [201] * 17
+        filled: list[httpx.Response] = []
+        with psycopg.connect(db_url) as slow_key, psycopg.connect(db_url) as pool_key:
+            slow_key.execute(SLOW_KEY)
+            slow = Background(lambda: _acquire(http, acme, "acme", "slow"))
+            until(lambda: lock_waiters(conn) == 1, "the slow acquire waits for its key's row")
+
+            def the_two() -> None:
+                for n in (17, 18):
+                    filled.append(_acquire(http, acme, "acme", f"job-{n}"))
+
+            fill = Background(the_two)
+            until(lambda: len(filled) == 2 or lock_waiters(conn) == 2, "the two are done or wait")
+            # The repeat waits for the pair's counter row, or (behind the slow acquire) to count.
+            pool_key.execute(
+                "SELECT FROM helix_lock_keys WHERE organization_id = 'acme' AND job_type = 'pool' FOR UPDATE"
+            )
+            replay = Background(lambda: httpx.post(f"{two}/v1/locks", json=body, headers=repeat, timeout=30))
+            until(lambda: lock_waiters(conn) == 2 + (len(filled) < 2), "the repeat waits")
+            slow_key.rollback()
+            held_up = slow.result()  # committed while the repeat is in flight
+            pool_key.rollback()
+            again = replay.result()
+            fill.result()
+    assert held_up.status_code in (201, 429), held_up.text
+    assert again.status_code == 201, (
+        f"the repeat of a live grant was answered {again.status_code}: {again.text}"
+    )
+    assert (again.json()["id"], again.json()["token"]) == (grant.json()["id"], grant.json()["token"])
+    statuses = [held_up.status_code] + [answer.status_code for answer in filled]
+    assert _live_locks(db_url, "acme") == 18 + statuses.count(201) <= 20, statuses
+
+
+@pytest.mark.anyio
+async def test_a_count_another_process_took_a_moment_ago_does_not_take_the_organization_past_its_quota(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes, quota 20. Process A counts 0 and may let 4 acquires through on that count;
+    it lets one through. Process B then takes the organization to 19 live, counting as it goes (it
+    counts A's grant, not what A may still let through). A's count is still fresh (here it stays
+    fresh: a second, the real freshness, is a long time for a burst), and A let its three others
+    through on it: 22 live. The room a count hands out is now a share, held back by every other
+    count and taken back by the exact way when it needs it (migration 0020): one more for A, then
+    429."""
+    monkeypatch.setattr(LiveLockQuota, "FRESH_SECONDS", 3600.0)
+    settings = ROUTE.settings(db_url, allow_anonymous=True, max_live_locks_per_organization=20)
+    async with in_process(create_app(settings)) as a, in_process(create_app(settings)) as b:
+        assert (await a.post("/v1/locks", json=lock_body(job_type="a-0"))).status_code == 201
+        for n in range(18):
+            assert (await b.post("/v1/locks", json=lock_body(job_type=f"b-{n}"))).status_code == 201
+        late = [
+            (await a.post("/v1/locks", json=lock_body(job_type=f"a-{n}"))).status_code for n in range(1, 4)
+        ]
+    live = _live_locks(db_url, "acme")
+    assert live <= 20, f"{live} live locks with a quota of 20: A's acquires on its earlier count got {late}"
+    assert live == 20 and late == [201, 429, 429], (live, late)
 
 
 def _raw(port: int, request: str, body: bytes = b"") -> tuple[int, bytes]:

@@ -30,6 +30,8 @@ UNIQUE_EXCEPTIONS = {
     " are global by design, and an admin key has no organization (docs/scaling.md, 'Reference tables')",
     "helix_schema_migrations_pkey": "the migration runner's bookkeeping, not tenant data: no"
     " organization_id, never distributed",
+    "helix_event_id_key_pkey": "one row, the key that signs event ids, for the whole deployment: a"
+    " reference table on Citus (docs/scaling.md, 'Events')",
 }
 
 # Foreign keys between two tables with organization_id that leave it out: constraint name -> why.
@@ -48,6 +50,10 @@ FUNCTION_EXCEPTIONS = {
     " organization_id, and it runs where the row is",
     "helix_lock_released()": "a row trigger on helix_job_locks: reads helix_lock_waiters of NEW's own"
     " organization and job type, a colocated shard",
+    "helix_metadata_bounded()": "a row trigger on helix_job_locks: its argument is the row (NEW), and it"
+    " runs where the row is",
+    "helix_announce_expiries(integer)": "the event reader's sweep of every organization's due expiries,"
+    " as retention's; on Citus each node's reader runs it on its node (docs/scaling.md, 'Events')",
 }
 
 # The project's tables: those in the schema migrations created helix_job_locks in.
@@ -85,7 +91,7 @@ ORDER BY 1
 
 # Functions that act on locks: their body names a lock table or the view, they take a lock row, or
 # they are a trigger's on a lock table.
-_LOCK_TABLES = "helix_(job_locks|job_lock_views|lock_keys|lock_waiters)"
+_LOCK_TABLES = "helix_(job_locks|job_lock_views|lock_keys|lock_waiters|quota_shares)"
 _FUNCTIONS = f"""
 SELECT p.oid::pg_catalog.regprocedure::text AS signature,
        p.pronargs, p.proargnames, p.proargmodes::text[] AS proargmodes,

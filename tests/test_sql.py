@@ -853,3 +853,41 @@ def test_a_full_pairs_refusal_names_at_most_20_holders_those_expiring_first(conn
     assert [slot for _, slot in listed[:3]] == [0, 3, 9]
     assert detail["holders_total"] == slots
     assert detail["lock_id"] == held[0]["id"] and detail["max_holders"] == slots
+
+
+def test_a_repeat_at_the_quota_is_judged_by_what_it_did_while_another_acquire_commits(
+    db_url: str, conn: Conn
+) -> None:
+    """Issue 34, item 6, in SQL: at the quota, the repeat of a live semaphore grant waits for its
+    pair's counter row (0018) while another acquire of the organization commits, one that takes
+    no part in the quota's advisory lock (a replica of the build before 0020, during a rolling
+    upgrade). The repeat adds no live lock and is the grant it repeats. 0018 judged it by
+    counting the organization's live locks again, raised by the other commit: HL004."""
+    first = acquire(conn, "w", key=("org", "pool"), idempotency_key="k", max_holders=2)
+    for n in range(19):
+        acquire(conn, key=("org", f"job-{n}"))
+    params = {
+        "organization_id": "org",
+        "job_type": "pool",
+        "holder": "w",
+        "ttl_ms": 30_000,
+        "metadata": None,
+        "idempotency_key": "k",
+        "max_holders": 2,
+        "quota": 20,
+    }
+    with psycopg.connect(db_url) as pool_key, psycopg.connect(db_url, autocommit=True) as repeat:
+        pool_key.execute(
+            "SELECT FROM helix_lock_keys WHERE organization_id = 'org' AND job_type = 'pool' FOR UPDATE"
+        )
+        with waiting(
+            conn,
+            repeat,
+            lambda: (
+                repeat.cursor(row_factory=dict_row).execute(queries.ACQUIRE_WITHIN_QUOTA, params).fetchone()
+            ),
+        ) as outcome:
+            acquire(conn, key=("org", "previous-build"))  # 21 live, committed while the repeat waits
+            pool_key.rollback()
+    assert "error" not in outcome, f"the repeat of a live grant was refused: {outcome.get('error')!r}"
+    assert (outcome["result"]["id"], outcome["result"]["token"]) == (first["id"], first["token"])

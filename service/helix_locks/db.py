@@ -26,6 +26,7 @@ from helix_locks.errors import (
     LockNotFound,
     MaxHoldersMismatch,
     QuotaExceeded,
+    ShareEnded,
     TokenMismatch,
 )
 from helix_locks.settings import Settings
@@ -104,6 +105,7 @@ SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "HL002": _token_mismatch,
     "HL003": _lock_ended,
     "HL004": lambda exc: QuotaExceeded(int(exc.diag.message_detail or 0)),
+    "HL005": lambda exc: ShareEnded(),
     # A primary that just became a standby (failover): it will not take writes, try again.
     "25006": lambda exc: DatabaseUnavailable("read-only transaction"),
     # Prepared statements lost or doubled: DATABASE_URL goes through a transaction pooler, but no

@@ -191,3 +191,8 @@ class InternalError(LockError):
 
 class EmptyResult(InternalError):
     """A function that must return a row returned none: a bug, never a success."""
+
+
+class ShareEnded(InternalError):
+    """The share of the quota an acquire was let through on has ended, or was taken back near the
+    quota (migration 0020): Locks.acquire sends it the exact way; answered, it would be a bug."""

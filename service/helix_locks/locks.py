@@ -19,7 +19,16 @@ from psycopg.types.json import Jsonb
 
 from helix_locks import queries
 from helix_locks.db import Database
-from helix_locks.errors import Forbidden, InvalidArgument, LockError, LockNotFound, QuotaExceeded
+from helix_locks.errors import (
+    Forbidden,
+    InvalidArgument,
+    LockError,
+    LockHeld,
+    LockNotFound,
+    MaxHoldersMismatch,
+    QuotaExceeded,
+    ShareEnded,
+)
 from helix_locks.keys import Caller
 
 State = Literal["held", "expired", "released", "reclaimed"]
@@ -143,92 +152,126 @@ def storable_text(value: str) -> bool:
     return True
 
 
-# An acquire's statement parameters (queries.ACQUIRE): the quota reads the organization, and
-# asks with them whether the acquire would add a live lock.
+# An acquire's statement parameters (queries.ACQUIRE_WITHIN_QUOTA's, without the quota): the
+# quota reads the organization, and asks with them whether the acquire would add a live lock.
 Acquiring = dict[str, Any]
 
 
 @dataclass
-class _Count:
-    """One organization's live locks, as this process knows them."""
+class _Share:
+    """The room this process may grant in one organization without counting each acquire: a row
+    of helix_quota_shares (migration 0020), or none when its count left no room to share."""
 
-    counted: int  # by the database, at `at`
-    at: float  # time.monotonic() when that count began
-    budget: int  # acquires this process may let through on this count, at most
-    base: int  # `local` when that count began: what it may not have seen is local - base
-    local: int = 0  # this process's grants less its releases, finished, ever
-    pending: int = 0  # this process's acquires let through on a count, not yet finished
+    id: int | None  # the row; None: no room was shared, acquires go the exact way
+    room: int  # acquires this process may let through on it, at most
+    at: float  # time.monotonic() when the count began
+    used: int = 0  # acquires let through on it, finished or not
     full_until: float = 0.0  # the database refused an acquire for the quota: refuse until then
 
-    @property
-    def live(self) -> int:
-        return self.counted + self.local - self.base + self.pending
-
-    def room(self) -> bool:
-        """Whether this process may let one more acquire through on this count."""
-        return self.local - self.base + self.pending < self.budget
+    def free(self) -> bool:
+        return self.id is not None and self.used < self.room
 
 
 class LiveLockQuota:
-    """At most `limit` live locks (held, or lapsed and not yet reclaimed) per organization.
+    """At most `limit` live locks (held, or lapsed and not yet reclaimed) per organization, for
+    any number of processes.
 
-    Far from the limit, acquires go by a count, so that counting never serialises them (an exact
-    count would have to lock something that every acquire of the organization shares): this
-    process counts an organization's live rows (on the live-lock index) at most once every
-    FRESH_SECONDS, and lets through at most a SHARE of the room below the band before it counts
-    again, so that several processes on one count cannot together go far past it. Within BAND of
-    the limit, an acquire goes through helix_acquire_job_lock_within_quota (migration 0013),
-    which counts and grants under the organization's advisory lock: exact, and serialising only
-    the acquires near the limit. A refusal from there is remembered for FULL_SECONDS, so that a
-    stream of acquires at the limit costs one count each tenth of a second, not one each; an
-    acquire of a key that has a live lock (it adds none), a waiting acquire's attempts and a
-    release by this process skip that memory.
+    Far from the limit, acquires are not counted one by one (an exact count would have to lock
+    something that every acquire of the organization shares). This process counts the
+    organization's live locks at most once every FRESH_SECONDS (helix_share_quota, migration
+    0020), and with the count the database hands it a share of the room below BAND of the limit:
+    a SHARE-th of what is left once the room of every share there is held back. It lets at most
+    that many acquires through on the share (helix_acquire_job_lock_on_share), each holding the
+    share's advisory lock in shared mode to its commit: they wait neither for each other nor for
+    a count. With no room to share, an acquire goes through helix_acquire_job_lock_within_quota
+    (migration 0013), which counts and grants one at a time per organization, holding the room of
+    the shares back, or, when it needs that room, taking the shares back once the acquires in
+    flight on them have committed. An acquire on a share that is gone (ShareEnded) goes the exact
+    way, or, if this process's own count replaced the share, once more on the new one. The live
+    locks, those in flight and the room left on the shares never exceed the limit together.
+
+    A refusal from there is remembered for FULL_SECONDS, so that a stream of acquires at the
+    limit costs one count each tenth of a second, not one each; an acquire of a key that has a
+    live lock (it adds none), a waiting acquire's attempts and a release by this process skip
+    that memory.
     """
 
     FRESH_SECONDS = 1.0
+    # How long the database holds a share's room back: past FRESH_SECONDS, when this process no
+    # longer uses it, and no longer, should the process die with it.
+    HOLD_SECONDS = 2.0
     FULL_SECONDS = 0.1
     BAND = 0.05  # of the limit
-    SHARE = 4  # a process lets through at most 1/SHARE of the room below the band per count
-    # Organizations remembered at once; past it, the counts gone stale are forgotten.
+    SHARE = 4  # a share is at most 1/SHARE of the room left below the band
+    # Organizations remembered at once; past it, the shares gone stale are forgotten.
     REMEMBERED = 10_000
 
     def __init__(self, db: Database, limit: int) -> None:
         self.db = db
         self.limit = limit
         self.near = limit - max(1, int(limit * self.BAND))
-        self._counts: dict[str, _Count] = {}
-        self._gates: dict[str, tuple[asyncio.Lock, int]] = {}  # and how many use it
+        self._shares: dict[str, _Share] = {}
+        # One at a time per organization in this process, and how many use each: the counts; the
+        # acquires the exact way.
+        self._counting: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._gates: dict[str, tuple[asyncio.Lock, int]] = {}
 
-    async def admit(self, acquiring: Acquiring, *, waiting: bool = False) -> bool:
-        """True if the acquire may go by the count (room reserved: settle it with `settled`);
-        False if it must go the exact way. QuotaExceeded if the database refused this
-        organization an acquire a moment ago and this one could add a live lock."""
+    async def admit(self, acquiring: Acquiring, *, waiting: bool = False) -> int | None:
+        """The share the acquire may go through on (one of its room taken), or None if it must go
+        the exact way. QuotaExceeded if the database refused this organization an acquire a
+        moment ago and this one could add a live lock."""
         organization_id = acquiring["organization_id"]
         if self._full(organization_id, waiting):
             await self.refuse_if_it_adds(acquiring)
-            return False
-        now = time.monotonic()
-        count = self._counts.get(organization_id)
-        if (
-            count is None
-            or now - count.at > self.FRESH_SECONDS
-            or (count.live < self.near and not count.room())
-        ):
-            base = count.local if count is not None else 0
-            row = await self.db.fetch_first(
-                queries.COUNT_LIVE_IN_ORGANIZATION, {"organization_id": organization_id}
-            )
-            count = self._remember(organization_id, int(row["live"]), now, base)
-        if count.live < self.near and count.room():
-            count.pending += 1
-            return True
-        return False
+            return None
+        share = self._shares.get(organization_id)
+        if self._spent(share):
+            async with _one_at_a_time(self._counting, organization_id):
+                share = self._shares.get(organization_id)
+                if self._spent(share):  # nobody counted while this one waited for its turn
+                    share = await self._count(organization_id, share)
+        assert share is not None
+        if share.free():
+            share.used += 1
+            return share.id
+        return None
+
+    def _spent(self, share: _Share | None) -> bool:
+        """Whether the organization must be counted again: never counted, counted too long ago,
+        or its share's room all let through (with no room shared, it is not counted again
+        before FRESH_SECONDS: the exact way counts anyway)."""
+        return (
+            share is None
+            or time.monotonic() - share.at > self.FRESH_SECONDS
+            or (share.id is not None and not share.free())
+        )
+
+    async def _count(self, organization_id: str, previous: _Share | None) -> _Share:
+        at = time.monotonic()
+        row = await self.db.fetch_first(
+            queries.SHARE_QUOTA,
+            {
+                "organization_id": organization_id,
+                "limit": self.near,
+                "parts": self.SHARE,
+                "seconds": self.HOLD_SECONDS,
+                "previous": None if previous is None else previous.id,
+            },
+        )
+        share = _Share(row["share_id"], int(row["share_room"]), at)
+        if previous is not None:
+            share.full_until = previous.full_until
+        if organization_id not in self._shares and len(self._shares) >= self.REMEMBERED:
+            fresh = time.monotonic() - self.FRESH_SECONDS
+            self._shares = {org: s for org, s in self._shares.items() if s.at > fresh}
+        self._shares[organization_id] = share
+        return share
 
     def _full(self, organization_id: str, waiting: bool) -> bool:
         """Whether the database refused the organization an acquire a moment ago (a waiting
         acquire's attempt, woken by a release, goes by what it finds instead)."""
-        count = self._counts.get(organization_id)
-        return count is not None and time.monotonic() < count.full_until and not waiting
+        share = self._shares.get(organization_id)
+        return share is not None and time.monotonic() < share.full_until and not waiting
 
     async def refuse_if_it_adds(self, acquiring: Acquiring) -> None:
         """QuotaExceeded unless the acquire would add no live lock."""
@@ -243,49 +286,62 @@ class LiveLockQuota:
         organization's quota must not take the pool from the others), and each one whose turn
         comes after a refusal is refused without counting again."""
         organization_id = acquiring["organization_id"]
-        gate, users = self._gates.get(organization_id, (asyncio.Lock(), 0))
-        self._gates[organization_id] = (gate, users + 1)
-        try:
-            async with gate:
-                if self._full(organization_id, waiting):
-                    await self.refuse_if_it_adds(acquiring)
-                yield
-        finally:
-            gate, users = self._gates[organization_id]
-            if users == 1:
-                del self._gates[organization_id]
-            else:
-                self._gates[organization_id] = (gate, users - 1)
+        async with _one_at_a_time(self._gates, organization_id):
+            if self._full(organization_id, waiting):
+                await self.refuse_if_it_adds(acquiring)
+            yield
 
-    def settled(self, organization_id: str, *, reserved: bool, added: bool) -> None:
-        """An admitted acquire finished: it added a live lock, or not (failed, reclaimed)."""
-        if (count := self._counts.get(organization_id)) is not None:
-            if reserved:
-                count.pending = max(0, count.pending - 1)
-            count.local += added
+    def ended(self, organization_id: str, share_id: int, *, again: bool) -> int | None:
+        """The database no longer holds the share's room (ShareEnded). Taken back near the quota,
+        most likely: the organization goes the exact way until it is counted again, and so does
+        the acquire (None). Replaced by this process's own count since the acquire was let
+        through on it: if `again`, the share that replaced it, with room taken from it, if it has
+        room."""
+        share = self._shares.get(organization_id)
+        if share is None:
+            return None
+        if share.id == share_id:
+            share.id, share.room = None, 0
+        elif again and share.free():
+            share.used += 1
+            return share.id
+        return None
+
+    def unused(self, organization_id: str, share_id: int) -> None:
+        """An acquire let through on the share is known to have added no live lock (409, or it
+        reclaimed one): its room is the share's again."""
+        share = self._shares.get(organization_id)
+        if share is not None and share.id == share_id:
+            share.used = max(0, share.used - 1)
 
     def refused(self, organization_id: str) -> None:
         """The database refused an acquire of the organization for its quota."""
-        if (count := self._counts.get(organization_id)) is not None:
-            count.full_until = time.monotonic() + self.FULL_SECONDS
+        if (share := self._shares.get(organization_id)) is not None:
+            share.full_until = time.monotonic() + self.FULL_SECONDS
 
     def released(self, organization_id: str) -> None:
         """This process ended one of the organization's live locks: there is room again."""
-        if (count := self._counts.get(organization_id)) is not None:
-            count.local -= 1
-            count.full_until = 0.0
+        if (share := self._shares.get(organization_id)) is not None:
+            share.full_until = 0.0
 
-    def _remember(self, organization_id: str, counted: int, at: float, base: int) -> _Count:
-        budget = max(1, (self.near - counted) // self.SHARE)
-        count = self._counts.get(organization_id)
-        if count is None:
-            if len(self._counts) >= self.REMEMBERED:
-                fresh = time.monotonic() - self.FRESH_SECONDS
-                self._counts = {org: c for org, c in self._counts.items() if c.at > fresh or c.pending}
-            count = self._counts[organization_id] = _Count(counted, at, budget, base)
-        elif at >= count.at:  # a count that began before the last one tells less
-            count.counted, count.at, count.budget, count.base = counted, at, budget, base
-        return count
+
+@asynccontextmanager
+async def _one_at_a_time(
+    gates: dict[str, tuple[asyncio.Lock, int]], organization_id: str
+) -> AsyncIterator[None]:
+    """Inside, no other holder of the organization's gate of `gates` is; a gate lasts while anyone
+    uses it or waits for it."""
+    gate, users = gates.get(organization_id, (asyncio.Lock(), 0))
+    gates[organization_id] = (gate, users + 1)
+    try:
+        async with gate:
+            yield
+    finally:
+        gate, users = gates[organization_id]
+        if users == 1:
+            del gates[organization_id]
+        else:
+            gates[organization_id] = (gate, users - 1)
 
 
 class Locks:
@@ -321,23 +377,28 @@ class Locks:
             "idempotency_key": idempotency_key,
             "max_holders": max_holders,
         }
-        reserved = await self.quota.admit(params, waiting=waiting)
-        added = False
+        share = await self.quota.admit(params, waiting=waiting)
+        row: DictRow | None = None
         try:
-            if reserved:
-                row = await self.db.fetch_first(queries.ACQUIRE, params)
-            else:  # near the quota: counted and granted under the organization's advisory lock
+            tries = 2  # on the share it was let through on, then on the one that replaced it
+            while share is not None and row is None:
+                tries -= 1
+                try:
+                    row = await self.db.fetch_first(queries.ACQUIRE_ON_SHARE, {**params, "share": share})
+                except ShareEnded:
+                    share = self.quota.ended(organization_id, share, again=tries > 0)
+                except (LockHeld, MaxHoldersMismatch):
+                    self.quota.unused(organization_id, share)
+                    raise
+            if row is None:  # near the quota: counted and granted under the organization's lock
                 params["quota"] = self.quota.limit
                 async with self.quota.exactly(params, waiting=waiting):
                     row = await self.db.fetch_first(queries.ACQUIRE_WITHIN_QUOTA, params)
-            # A grant that reclaimed adds no live lock; a replay is counted once more, until
-            # the next count.
-            added = row["reclaimed_lock_id"] is None
+            elif share is not None and row["reclaimed_lock_id"] is not None:
+                self.quota.unused(organization_id, share)
         except QuotaExceeded:
             self.quota.refused(organization_id)
             raise
-        finally:
-            self.quota.settled(organization_id, reserved=reserved, added=added)
         reclaimed = None
         if row["reclaimed_lock_id"] is not None:
             reclaimed = Reclaimed(

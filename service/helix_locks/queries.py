@@ -138,8 +138,25 @@ LIMIT 1
 """
 )
 
-# Near an organization's quota (migration 0013): the same acquire, counted and granted under the
-# organization's advisory lock; HL004 beyond the quota.
+# The live-lock quota (locks.py, LiveLockQuota; migrations 0013 and 0020). Far from the quota: an
+# acquire let through on a share of the room, under the share's advisory lock in shared mode
+# (HL005 once the share is gone or past its time), and the count that hands a process its share.
+# Near it: the same acquire, counted and granted one at a time per organization; HL004 beyond the
+# quota.
+ACQUIRE_ON_SHARE = (
+    "SELECT "
+    + LOCK
+    + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at
+FROM helix_acquire_job_lock_on_share(
+    %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s,
+    %(max_holders)s, %(share)s
+)
+"""
+)
+SHARE_QUOTA = """
+SELECT live, share_id, share_room
+FROM helix_share_quota(%(organization_id)s, %(limit)s, %(parts)s, %(seconds)s, %(previous)s)
+"""
 ACQUIRE_WITHIN_QUOTA = (
     "SELECT "
     + LOCK
@@ -151,14 +168,9 @@ FROM helix_acquire_job_lock_within_quota(
 """
 )
 
-# The live-lock quota (locks.py): an organization's live locks, counted on the live-lock
-# index, and whether an acquire of one key would add none: every slot has a live lock (the
-# acquire reclaims one, or is refused), or one of another max_holders does (migration 0017), or
-# it repeats a grant still live (migration 0018).
-COUNT_LIVE_IN_ORGANIZATION = """
-SELECT count(*) AS live
-FROM helix_job_locks WHERE organization_id = %(organization_id)s AND released_at IS NULL
-"""
+# Whether an acquire of one key would add no live lock: every slot has a live lock (the acquire
+# reclaims one, or is refused), or one of another max_holders does (migration 0017), or it
+# repeats a grant still live (migration 0018).
 ADDS_NO_LIVE_LOCK = """
 SELECT count(*) >= %(max_holders)s
        OR coalesce(bool_or(max_holders <> %(max_holders)s

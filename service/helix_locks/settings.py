@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     events_memory_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
     events_organization_bytes: int = Field(default=0, ge=0)
     # Live locks (held, or lapsed and not yet reclaimed) of one organization; beyond it, 429
-    # (locks.py, LiveLockQuota: counted far from it, exact near it).
+    # (locks.py, LiveLockQuota: shares of the room far from it, one at a time near it; never past).
     max_live_locks_per_organization: int = Field(default=10_000, ge=1)
 
     @property
