@@ -979,13 +979,20 @@ BEGIN
     WITH changed AS (
         -- A row's visible version carries the transaction of its latest change; a row none of
         -- whose changes is visible in p_after has that one from p_after's xmax on, or among its
-        -- in-progress transactions. Two index scans, however old p_after's xmin is.
-        SELECT l.* FROM helix_job_locks AS l
+        -- in-progress transactions. Two index scans, however old p_after's xmin is; the columns
+        -- the events need, not the metadata.
+        SELECT l.id, l.acquired_at, l.acquired_xid, l.lapses, l.lapse_xids, l.expires_at,
+               l.expired_xid, l.renewed_at, l.renewed_xid, l.updated_at, l.updated_xid,
+               l.released_at, l.changed_xid
+        FROM helix_job_locks AS l
         WHERE l.changed_xid >= v_from
           AND (p_organization_id IS NULL OR l.organization_id = p_organization_id)
           AND (p_job_type IS NULL OR l.job_type = p_job_type)
         UNION ALL
-        SELECT l.* FROM helix_job_locks AS l
+        SELECT l.id, l.acquired_at, l.acquired_xid, l.lapses, l.lapse_xids, l.expires_at,
+               l.expired_xid, l.renewed_at, l.renewed_xid, l.updated_at, l.updated_xid,
+               l.released_at, l.changed_xid
+        FROM helix_job_locks AS l
         WHERE l.changed_xid = ANY (v_in_progress)
           AND (p_organization_id IS NULL OR l.organization_id = p_organization_id)
           AND (p_job_type IS NULL OR l.job_type = p_job_type)

@@ -16,7 +16,7 @@ import httpx
 import psycopg
 import pytest
 
-from helix_locks import keys
+from helix_locks import keys, queries
 from helix_locks.db import Database, create_pool
 from helix_locks.errors import OrganizationWatchersFull
 from helix_locks.events import EventHub, EventIds, Position, Window
@@ -703,3 +703,23 @@ async def test_slow_resumes_of_several_organizations_stay_within_the_process_bou
         f"the process holds {held / 2**20:.1f} MiB of events for slow streams, past its bound of "
         f"{memory / 2**20:.0f} MiB (HELIX_LOCKS_EVENTS_MEMORY_BYTES); streams admitted: {admitted}"
     )
+
+
+def test_the_reader_s_statement_reads_the_locks_of_its_events_alone(db_url: str) -> None:
+    """The reader's one statement looks up the lock of each event it read by id: joined to the
+    view, which reads the clock, PostgreSQL read the whole table (130 ms a poll under bench.events'
+    load, found by the bench)."""
+    history(db_url, organizations=1, locks=20_000, prefix="busy")
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        start = conn.execute("SELECT pg_current_snapshot()::text").fetchone()
+        assert start is not None
+        for n in range(5):
+            conn.execute(
+                "SELECT id FROM helix_acquire_job_lock('acme', %s, 'w', 30000, NULL, NULL)", (f"job-{n}",)
+            )
+        conn.execute("ANALYZE helix_job_locks")
+        params = {"after": [start[0]], "organization_id": [None], "job_type": [None], "limit": [100]}
+        plan = "\n".join(row[0] for row in conn.execute("EXPLAIN ANALYZE " + queries.EVENTS, params))
+        rows = conn.execute(queries.EVENTS, params).fetchall()
+    assert len(rows) == 5
+    assert "Seq Scan on helix_job_locks" not in plan, plan

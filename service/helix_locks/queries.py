@@ -358,29 +358,41 @@ _EVENT_LOCK = """v.id, v.organization_id, v.job_type, v.holder, v.fencing_token,
 # waits for its announcement (helix_announce_expiries), read on the index of those alone.
 EVENTS = (
     """
-SELECT now.snapshot::text AS snapshot, now.until_at, now.due, a.n, e.at, e.rank, """
-    + _EVENT_LOCK
-    + """
-FROM (
+WITH now AS (
     SELECT pg_current_snapshot() AS snapshot, clock_timestamp() AS until_at,
            coalesce((SELECT min(d.expires_at) FROM helix_job_locks AS d
                      WHERE d.released_at IS NULL AND d.expired_xid IS NULL) <= clock_timestamp(),
                     false) AS due
-) AS now
-CROSS JOIN unnest(%(after)s::text[], %(organization_id)s::text[], %(job_type)s::text[], %(limit)s::integer[])
-    WITH ORDINALITY AS a (after, organization_id, job_type, lim, n)
-LEFT JOIN LATERAL (
-    SELECT w.at, w.id, w.rank
-    FROM helix_window_events(a.after::pg_snapshot, now.snapshot, a.organization_id, a.job_type) AS w
-    ORDER BY w.at, w.id, w.rank
-    LIMIT a.lim + 1
-) AS e ON true
--- The view reads the clock, so it is not merged into a join: asked for each event's lock alone
+),
+starts AS (
+    SELECT * FROM unnest(
+        %(after)s::text[], %(organization_id)s::text[], %(job_type)s::text[], %(limit)s::integer[]
+    ) WITH ORDINALITY AS a (after, organization_id, job_type, lim, n)
+),
+events AS MATERIALIZED (
+    SELECT s.n, e.at, e.id, e.rank
+    FROM starts AS s CROSS JOIN now
+    CROSS JOIN LATERAL (
+        SELECT w.at, w.id, w.rank
+        FROM helix_window_events(s.after::pg_snapshot, now.snapshot, s.organization_id, s.job_type) AS w
+        ORDER BY w.at, w.id, w.rank
+        LIMIT s.lim + 1
+    ) AS e
+),
+-- The view reads the clock, so it is not merged into a join: it is asked for these ids alone
 -- (joined by id, it would be read whole).
-LEFT JOIN LATERAL (SELECT * FROM helix_job_lock_views AS l WHERE l.id = e.id) AS v ON true
+locks AS (
+    SELECT * FROM helix_job_lock_views AS l WHERE l.id = ANY (ARRAY(SELECT DISTINCT e.id FROM events AS e))
+)
+SELECT now.snapshot::text AS snapshot, now.until_at, now.due, s.n, e.at, e.rank, """
+    + _EVENT_LOCK
+    + """
+FROM now CROSS JOIN starts AS s
+LEFT JOIN events AS e ON e.n = s.n
+LEFT JOIN locks AS v ON v.id = e.id
 LEFT JOIN helix_job_locks AS k ON k.id = e.id
 -- By time, then lock id and kind: a key's events in commit order (0017, 0019).
-ORDER BY a.n, e.at, e.id, e.rank
+ORDER BY s.n, e.at, e.id, e.rank
 """
 )
 
