@@ -60,8 +60,7 @@ class Settings(BaseSettings):
     events_stream_bytes: int = Field(default=1024 * 1024, ge=64 * 1024)
     # Bytes of events every stream of one process may hold together, and one organization's
     # streams at most (0, and never more than: this divided among the organizations streaming);
-    # past its share, an
-    # organization's new streams get 429 and its streams that fall behind are ended.
+    # past its share, an organization's new streams get 429 and its streams that fall behind end.
     events_memory_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
     events_organization_bytes: int = Field(default=0, ge=0)
     # Live locks (held, or lapsed and not yet reclaimed) of one organization; beyond it, 429
