@@ -53,12 +53,25 @@ CREATE TABLE helix_quota_shares (
     CONSTRAINT helix_quota_shares_room_positive CHECK (room > 0)
 );
 
+-- The organization's advisory lock, taken by counts and by the exact way: 64 bits of a hash of the
+-- organization id, in the single-key space of advisory locks, so that no two organizations meet on
+-- it (32 bits, as 0013 had it, let organizations whose ids hash alike wait for each other; found by
+-- review). The one other key of that space this schema takes is the migration runner's constant.
+CREATE FUNCTION helix_quota_lock_key(p_organization_id text) RETURNS bigint
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT hashtextextended('helix_live_lock_quota/' || p_organization_id, 0)
+$$;
+
 -- A share's advisory lock: held in shared mode by each acquire on the share, exclusively by
--- whoever deletes the share. (Two int4 keys, of a class of their own; ids past 2^31 wrap, and two
--- shares that meet on a key only ever wait for each other a little.)
+-- whoever deletes the share. Two int4 keys, the share's id whole (its high bits folded into a
+-- class of its own): no two shares meet on a key, whatever their organizations.
+CREATE FUNCTION helix_quota_share_class(p_share bigint) RETURNS integer
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT hashtext('helix_quota_share') # (p_share >> 31)::integer
+$$;
 CREATE FUNCTION helix_quota_share_key(p_share bigint) RETURNS integer
 LANGUAGE sql IMMUTABLE AS $$
-    SELECT (p_share % 2147483647)::integer
+    SELECT (p_share & 2147483647)::integer
 $$;
 
 -- The organization's live locks (acquires in flight on shares not among them), and a share of the
@@ -80,14 +93,14 @@ DECLARE
     v_share bigint;
     v_left bigint;
 BEGIN
-    PERFORM pg_advisory_xact_lock(hashtext('helix_live_lock_quota'), hashtext(p_organization_id));
+    PERFORM pg_advisory_xact_lock(helix_quota_lock_key(p_organization_id));
     FOR v_share IN
         SELECT s.id FROM helix_quota_shares AS s
         WHERE s.organization_id = p_organization_id
           AND (s.id = p_previous OR s.until <= clock_timestamp())
         ORDER BY s.id
     LOOP
-        IF pg_try_advisory_xact_lock(hashtext('helix_quota_share'), helix_quota_share_key(v_share)) THEN
+        IF pg_try_advisory_xact_lock(helix_quota_share_class(v_share), helix_quota_share_key(v_share)) THEN
             DELETE FROM helix_quota_shares AS s
             WHERE s.organization_id = p_organization_id AND s.id = v_share;
         END IF;
@@ -143,7 +156,7 @@ RETURNS TABLE (
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER SET search_path FROM CURRENT AS $$
 #variable_conflict use_column
 BEGIN
-    PERFORM pg_advisory_xact_lock_shared(hashtext('helix_quota_share'), helix_quota_share_key(p_share));
+    PERFORM pg_advisory_xact_lock_shared(helix_quota_share_class(p_share), helix_quota_share_key(p_share));
     IF NOT EXISTS (
         SELECT FROM helix_quota_shares AS s
         WHERE s.id = p_share AND s.organization_id = p_organization_id AND s.until > clock_timestamp()
@@ -195,7 +208,7 @@ DECLARE
     v_shared bigint;  -- the room its shares hold back
     v_share bigint;
 BEGIN
-    PERFORM pg_advisory_xact_lock(hashtext('helix_live_lock_quota'), hashtext(p_organization_id));
+    PERFORM pg_advisory_xact_lock(helix_quota_lock_key(p_organization_id));
     SELECT count(*) FILTER (WHERE l.max_holders = p_max_holders) = count(*) AND count(*) < p_max_holders,
            coalesce(bool_or(l.idempotency_key = p_idempotency_key
                             AND l.holder = p_holder
@@ -216,7 +229,7 @@ BEGIN
                 WHERE s.organization_id = p_organization_id
                 ORDER BY s.id
             LOOP
-                PERFORM pg_advisory_xact_lock(hashtext('helix_quota_share'), helix_quota_share_key(v_share));
+                PERFORM pg_advisory_xact_lock(helix_quota_share_class(v_share), helix_quota_share_key(v_share));
                 DELETE FROM helix_quota_shares AS s
                 WHERE s.organization_id = p_organization_id AND s.id = v_share;
             END LOOP;

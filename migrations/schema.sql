@@ -301,7 +301,7 @@ CREATE OR REPLACE FUNCTION public.helix_acquire_job_lock_on_share(p_organization
 AS $function$
 #variable_conflict use_column
 BEGIN
-    PERFORM pg_advisory_xact_lock_shared(hashtext('helix_quota_share'), helix_quota_share_key(p_share));
+    PERFORM pg_advisory_xact_lock_shared(helix_quota_share_class(p_share), helix_quota_share_key(p_share));
     IF NOT EXISTS (
         SELECT FROM helix_quota_shares AS s
         WHERE s.id = p_share AND s.organization_id = p_organization_id AND s.until > clock_timestamp()
@@ -330,7 +330,7 @@ DECLARE
     v_shared bigint;  -- the room its shares hold back
     v_share bigint;
 BEGIN
-    PERFORM pg_advisory_xact_lock(hashtext('helix_live_lock_quota'), hashtext(p_organization_id));
+    PERFORM pg_advisory_xact_lock(helix_quota_lock_key(p_organization_id));
     SELECT count(*) FILTER (WHERE l.max_holders = p_max_holders) = count(*) AND count(*) < p_max_holders,
            coalesce(bool_or(l.idempotency_key = p_idempotency_key
                             AND l.holder = p_holder
@@ -351,7 +351,7 @@ BEGIN
                 WHERE s.organization_id = p_organization_id
                 ORDER BY s.id
             LOOP
-                PERFORM pg_advisory_xact_lock(hashtext('helix_quota_share'), helix_quota_share_key(v_share));
+                PERFORM pg_advisory_xact_lock(helix_quota_share_class(v_share), helix_quota_share_key(v_share));
                 DELETE FROM helix_quota_shares AS s
                 WHERE s.organization_id = p_organization_id AND s.id = v_share;
             END LOOP;
@@ -780,12 +780,28 @@ BEGIN
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_prune_history(interval,integer) FROM PUBLIC;
 
+CREATE OR REPLACE FUNCTION public.helix_quota_lock_key(p_organization_id text)
+ RETURNS bigint
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$
+    SELECT hashtextextended('helix_live_lock_quota/' || p_organization_id, 0)
+$function$;
+
+CREATE OR REPLACE FUNCTION public.helix_quota_share_class(p_share bigint)
+ RETURNS integer
+ LANGUAGE sql
+ IMMUTABLE
+AS $function$
+    SELECT hashtext('helix_quota_share') # (p_share >> 31)::integer
+$function$;
+
 CREATE OR REPLACE FUNCTION public.helix_quota_share_key(p_share bigint)
  RETURNS integer
  LANGUAGE sql
  IMMUTABLE
 AS $function$
-    SELECT (p_share % 2147483647)::integer
+    SELECT (p_share & 2147483647)::integer
 $function$;
 
 CREATE OR REPLACE FUNCTION public.helix_raise_if_ended(p_lock helix_job_locks)
@@ -874,14 +890,14 @@ DECLARE
     v_share bigint;
     v_left bigint;
 BEGIN
-    PERFORM pg_advisory_xact_lock(hashtext('helix_live_lock_quota'), hashtext(p_organization_id));
+    PERFORM pg_advisory_xact_lock(helix_quota_lock_key(p_organization_id));
     FOR v_share IN
         SELECT s.id FROM helix_quota_shares AS s
         WHERE s.organization_id = p_organization_id
           AND (s.id = p_previous OR s.until <= clock_timestamp())
         ORDER BY s.id
     LOOP
-        IF pg_try_advisory_xact_lock(hashtext('helix_quota_share'), helix_quota_share_key(v_share)) THEN
+        IF pg_try_advisory_xact_lock(helix_quota_share_class(v_share), helix_quota_share_key(v_share)) THEN
             DELETE FROM helix_quota_shares AS s
             WHERE s.organization_id = p_organization_id AND s.id = v_share;
         END IF;

@@ -697,3 +697,128 @@ def test_a_full_semaphores_409_lists_the_20_holders_expiring_first(service: tupl
     assert problem["expires_at"] == problem["holders"][0]["expires_at"]
     # 20 holders of 211 characters each, and the rest of the problem: not 190 of them (50 KB).
     assert size < 6500, size
+
+
+# The quota's advisory locks are of one organization, and of one share, each: found by review,
+# organizations whose ids hash alike in 32 bits (any deployment with ~77,000 organizations has a
+# pair by chance) shared the organization's lock, and shares 2^31 - 1 ids apart shared theirs, so
+# that one organization's acquire held up at its quota held up another's. Two organization ids
+# whose hashtext() is the same (-271856899), found among 'org-1'..'org-300000' in half a second:
+COLLIDING = ("org-104232", "org-1245")
+
+
+@pytest.mark.anyio
+async def test_an_organization_whose_id_hashes_alike_does_not_wait_for_anothers_acquire_at_its_quota(
+    db_url: str, conn: Conn
+) -> None:
+    """One organization near its quota has an acquire going the exact way, which holds its
+    organization's lock while it waits in the database (here for its key's row, held by this test;
+    in production for the acquires in flight on its shares, or a slow statement). Another
+    organization, whose id hashes alike in 32 bits, has no lock at all: its first acquire needs a
+    count (helix_share_quota), which must not wait for that lock."""
+    victim, noisy = COLLIDING[1], COLLIDING[0]
+    assert conn.execute("SELECT hashtext(%s) = hashtext(%s)", (victim, noisy)).fetchone() == (True,)
+    settings = ROUTE.settings(
+        db_url, allow_anonymous=True, max_live_locks_per_organization=100, statement_timeout_ms=60_000
+    )
+    # The noisy organization at 96 live locks of 100: within the quota's last 5%.
+    for n in range(96):
+        conn.execute(
+            "SELECT id FROM helix_acquire_job_lock(%s, %s, 'w', 300000, NULL, NULL, 1)", (noisy, f"k-{n}")
+        )
+    async with in_process(create_app(settings)) as one, in_process(create_app(settings)) as two:
+        with psycopg.connect(db_url) as blocker:
+            blocker.execute(
+                "INSERT INTO helix_lock_keys (organization_id, job_type, last_fencing_token)"
+                " VALUES (%s, 'slow', 0)",
+                (noisy,),
+            )
+            slow = asyncio.ensure_future(
+                one.post("/v1/locks", json=lock_body(organization_id=noisy, job_type="slow"))
+            )
+            for _ in range(500):
+                await asyncio.sleep(0.02)
+                if lock_waiters(conn) == 1:
+                    break
+            assert lock_waiters(conn) == 1, "the noisy organization's exact acquire waits for its key"
+            other = asyncio.ensure_future(
+                two.post("/v1/locks", json=lock_body(organization_id=victim, job_type="anything"))
+            )
+            await asyncio.wait([other], timeout=3)
+            answered = other.done()
+            waiting = lock_waiters(conn)
+            blocker.rollback()
+            await slow
+            victims = await other
+    assert victims.status_code == 201, victims.text
+    assert answered, (
+        f"{victim}, with no lock at all, waited over 3 s for its first acquire while {noisy} (whose"
+        f" id hashes alike) had one acquire going the exact way at its quota held up in the"
+        f" database ({waiting} backends waiting for locks)"
+    )
+
+
+def test_a_share_of_another_organization_2_31_ids_later_does_not_hold_up_the_exact_way(
+    db_url: str, conn: Conn
+) -> None:
+    """Share ids are spent at every count, by every organization (2^31 of them is weeks of a busy
+    deployment): taking its own share back near its quota, acme must not wait for an acquire of
+    globex in flight on globex's share 2^31 - 1 ids later (held up for its key's row by this test;
+    the identity is moved on rather than spent)."""
+    share = conn.execute("SELECT share_id FROM helix_share_quota('acme', 95, 4, 3600, NULL)").fetchone()
+    assert share is not None
+    conn.execute(
+        "SELECT setval(pg_get_serial_sequence('helix_quota_shares', 'id'), %s)", (share[0] + 2147483646,)
+    )
+    theirs = conn.execute("SELECT share_id FROM helix_share_quota('globex', 95, 4, 3600, NULL)").fetchone()
+    assert theirs is not None and theirs[0] % 2147483647 == share[0] % 2147483647
+    # acme at 90 live of a quota of 100: with its share's 23 held back, its next acquire the exact
+    # way needs that room and takes the share back.
+    for n in range(90):
+        conn.execute(
+            "SELECT id FROM helix_acquire_job_lock('acme', %s, 'w', 300000, NULL, NULL, 1)", (f"k-{n}",)
+        )
+    outcome: dict[str, Any] = {}
+
+    def run(name: str, statement: str, params: tuple[Any, ...]) -> None:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            try:
+                outcome[name] = c.execute(statement, params).fetchone()
+            except psycopg.Error as exc:
+                outcome[name] = exc
+
+    with psycopg.connect(db_url) as blocker:
+        blocker.execute(
+            "INSERT INTO helix_lock_keys (organization_id, job_type, last_fencing_token)"
+            " VALUES ('globex', 'slow', 0)"
+        )
+        held_up = threading.Thread(
+            target=run,
+            args=(
+                "globex",
+                "SELECT id FROM helix_acquire_job_lock_on_share("
+                "'globex', 'slow', 'w', 300000, NULL, NULL, 1, %s)",
+                (theirs[0],),
+            ),
+        )
+        held_up.start()
+        until(lambda: lock_waiters(conn) == 1, "globex's acquire waits for its key's row")
+        exact = threading.Thread(
+            target=run,
+            args=(
+                "acme",
+                "SELECT id FROM helix_acquire_job_lock_within_quota("
+                "'acme', 'x', 'w', 300000, NULL, NULL, 100, 1)",
+                (),
+            ),
+        )
+        exact.start()
+        exact.join(timeout=3)
+        answered = "acme" in outcome
+        blocker.rollback()
+        held_up.join()
+        exact.join()
+    assert answered, (
+        f"acme's acquire (90 live of 100) waited over 3 s for globex's acquire held up on globex's"
+        f" share {theirs[0]}, whose advisory key is that of acme's share {share[0]}: {outcome}"
+    )
