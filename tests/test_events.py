@@ -60,25 +60,25 @@ async def release(http: httpx.AsyncClient, lock: dict[str, Any], key: str | None
 
 
 @asynccontextmanager
-async def event_hub(db_url: str) -> AsyncIterator[EventHub]:
-    """A process's event reader on the test's database, without the app around it."""
-    settings = ROUTE.settings(db_url, allow_anonymous=True)
+async def event_hub(db_url: str, statement_timeout_ms: int = 5000, **limits: int) -> AsyncIterator[EventHub]:
+    """A process's event reader on the test's database, without the app around it; `limits`
+    override EventHub's (a few watchers, a replay of 10, 1 MiB a stream, 64 MiB in all)."""
+    settings = ROUTE.settings(db_url, allow_anonymous=True, statement_timeout_ms=statement_timeout_ms)
     pool = create_pool(settings)
     await pool.open()
     db = Database(pool, settings)
-    hub = EventHub(
-        db,
-        KeyRing(db, allow_anonymous=True),
-        poll_seconds=0.02,
-        max_watchers=10,
-        max_per_organization=10,
-        replay_limit=10,
-        stream_bytes=1024 * 1024,
-        memory_bytes=64 * 1024 * 1024,
-        organization_bytes=0,
-        keep=None,
-        keepalive_seconds=1,
-    )
+    given: dict[str, Any] = {
+        "poll_seconds": 0.02,
+        "max_watchers": 10,
+        "max_per_organization": 10,
+        "replay_limit": 10,
+        "stream_bytes": 1024 * 1024,
+        "memory_bytes": 64 * 1024 * 1024,
+        "organization_bytes": 0,
+        "keep": None,
+        "keepalive_seconds": 1,
+    }
+    hub = EventHub(db, KeyRing(db, allow_anonymous=True), **(given | limits))
     try:
         yield hub
     finally:

@@ -19,10 +19,10 @@ import pytest
 from helix_locks import keys, queries
 from helix_locks.db import Database, create_pool
 from helix_locks.errors import OrganizationWatchersFull
-from helix_locks.events import EventHub, EventIds, Position, Window
-from helix_locks.keys import Caller, KeyRing
+from helix_locks.events import KEY_BYTES, EventHub, EventIds, Position, Window
+from helix_locks.keys import ANONYMOUS, Caller, KeyRing
 from tests.support import ROUTE, Watch, running_service
-from tests.test_events import FAST, acquire, event_ids, release, replicas
+from tests.test_events import FAST, acquire, event_hub, event_ids, release, replicas
 
 pytestmark = pytest.mark.anyio
 
@@ -215,13 +215,16 @@ def padded_history(db_url: str, organization: str, locks: int, pad: int = 8000) 
 
 
 async def open_slowly(port: int, key: str, last_event_id: str | None = None) -> tuple[Any, Any, bytes]:
-    """GET /v1/events from a raw socket that reads the answer's head and then nothing more."""
+    """GET /v1/events from a raw socket that reads the answer's head and then nothing more (a
+    refusal's body too, after its head)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     resume = f"Last-Event-ID: {last_event_id}\r\n" if last_event_id else ""
     writer.write(
         f"GET /v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n{resume}\r\n".encode()
     )
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    if not head.startswith(b"HTTP/1.1 200"):
+        head += await asyncio.wait_for(reader.read(65536), 30)
     return reader, writer, head
 
 
@@ -295,60 +298,93 @@ async def test_slow_resumes_of_a_large_backlog_hold_a_page_each_not_the_backlog(
     assert grown < 150, f"20 slow resumes grew the process by {grown:.0f} MB"
 
 
+def granted(db_url: str, organization: str, locks: int, pad: int = 8000) -> None:
+    """`locks` grants of one organization in one transaction (one read's window), each lock with
+    `pad` bytes of metadata as stored."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, acquired_at,"
+            " expires_at, fencing_token, metadata) SELECT %s, 'job-' || md5(random()::text), 'w',"
+            " md5(g::text), clock_timestamp(), clock_timestamp() + interval '30 s', 1,"
+            " jsonb_build_object('pad', repeat('x', %s)) FROM generate_series(1, %s) g",
+            (organization, pad, locks),
+        )
+
+
 async def test_an_organization_past_its_share_of_event_memory_gets_429_and_another_does_not(
-    db_url: str, tmp_path: Path
+    db_url: str,
 ) -> None:
-    acme, mallory = keys.create(db_url, "acme"), keys.create(db_url, "mallory")
-    env = ROUTE.env(db_url, **FAST, HELIX_LOCKS_EVENTS_ORGANIZATION_BYTES=str(512 * 1024))
-    with running_service(env=env, log=tmp_path / "s.log") as (url, _):
-        port = int(url.rsplit(":", 1)[1])
-        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-            mallory_id = await _first_event_id(url, http, mallory, "mallory")
-            acme_id = await _first_event_id(url, http, acme, "acme")
-        padded_history(db_url, "mallory", 1600)
-        first = await open_slowly(port, mallory, mallory_id)  # holds about 0.5 MB of keys, a page
-        async with Watch(url, key=mallory, last_event_id=mallory_id) as refused:
-            status, problem = refused.status, refused.problem
-        async with Watch(url, key=acme, last_event_id=acme_id) as theirs:
-            other = theirs.status
-        first[1].close()
-        await asyncio.sleep(0.5)
-        async with Watch(url, key=mallory) as again:  # its slow stream gone: room again
-            later = again.status
-    assert first[2].startswith(b"HTTP/1.1 200"), first[2]
-    assert status == 429, (status, problem)
-    assert (
-        problem is not None and problem["type"] == "urn:helix-locks:problem:too-many-watchers-in-organization"
-    )
-    assert "bytes" in problem["detail"], problem
-    assert other == 200 and later == 200
+    """Resumes of a large backlog whose clients read nothing hold keys and a page each, until
+    their organization holds its share: its next stream gets 429, another organization's is
+    admitted, and once its streams are gone it is admitted again."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        [(start,)] = conn.execute("SELECT pg_current_snapshot()::text").fetchall()
+    padded_history(db_url, "mallory", 1600)
+    now = datetime.now(UTC)
+    resume = event_ids(db_url).encode(Position(Window(start, now, start, now), (now, 0, 0)))
+    mallory, acme = Caller("key-mallory", "mallory"), Caller("key-acme", "acme")
+    async with event_hub(
+        db_url, max_per_organization=100, replay_limit=10_000, organization_bytes=512 * 1024
+    ) as hub:
+        streams = []
+        refused = None
+        for _ in range(50):  # never read: what each catch-up holds stays
+            try:
+                streams.append(await hub.watch(mallory, None, "mallory", None, resume))
+            except OrganizationWatchersFull as exc:
+                refused = exc
+                break
+            await asyncio.sleep(0.2)  # its first page is read and queued
+        held = hub._held_by_organization["mallory"]
+        theirs = await hub.watch(acme, None, "acme", None, None)
+        for watcher in streams:
+            hub.leave(watcher)
+        again = await hub.watch(mallory, None, "mallory", None, None)
+        hub.leave(theirs)
+        hub.leave(again)
+    assert 0 < len(streams) < 50, len(streams)
+    assert refused is not None and refused.what == "bytes of events held"
+    # Over by a page's one event a stream at most (8 KiB here).
+    assert 512 * 1024 - 64 * KEY_BYTES <= held <= 512 * 1024 + len(streams) * 9 * 1024, held
+    assert hub.held == 0
 
 
 async def test_a_live_stream_that_falls_behind_is_ended_with_retry_and_its_resume_misses_nothing(
-    db_url: str, tmp_path: Path
+    db_url: str,
 ) -> None:
-    acme = keys.create(db_url, "acme")
-    env = ROUTE.env(db_url, **FAST, HELIX_LOCKS_EVENTS_STREAM_BYTES="65536")
-    with running_service(env=env, log=tmp_path / "s.log") as (url, _):
-        port = int(url.rsplit(":", 1)[1])
-        reader, writer, head = await open_slowly(port, acme)
-        await asyncio.sleep(0.3)  # joined
-        for _ in range(5):  # 5 MB of events in 10 windows, more than the sockets' buffers
-            padded_history(db_url, "acme", 60)
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(1.0)
-        body = dechunked(await asyncio.wait_for(reader.read(), 30))  # all it was sent, to the end
-        writer.close()
-        assert head.startswith(b"HTTP/1.1 200"), head
-        assert body.endswith(b"\n\nretry: 1000\n\n"), body[-200:]
-        # The events' ids (the first block's id, with no event, names where the stream joined).
-        blocks = [block.split(b"\n") for block in body.split(b"\n\n")]
-        ids = [lines[0][4:].decode() for lines in blocks if len(lines) > 1 and lines[0].startswith(b"id: ")]
-        assert 0 < len(ids) < 600, len(ids)
-        async with Watch(url, key=acme, last_event_id=ids[-1]) as resumed:
-            await resumed.until(600 - len(ids), within=30)
-            await resumed.quiet(0.5)
-    assert len(ids) + len(resumed.events) == 600 == len(set(ids) | {event.id for event in resumed.events})
+    """A live stream whose client left a read's events unread, and that the next read's would take
+    past its bound (64 KiB here), is ended with `retry:`; resumed from the last event its client
+    took, it misses nothing. One that took everything gets a read's events whatever their size
+    (a page at a time if they pass its bound)."""
+    async with event_hub(db_url, stream_bytes=64 * 1024) as hub:
+        watcher = await hub.watch(ANONYMOUS, None, None, None, None)
+        stream = hub.stream(watcher)
+        taken = [await stream.__anext__(), await stream.__anext__()]  # the keep-alive, the join id
+        granted(db_url, "acme", 5)  # 40 KiB: within its bound
+        taken.append(await asyncio.wait_for(stream.__anext__(), 10))  # its client takes them
+        granted(db_url, "acme", 5)  # queued: its client reads no more
+        await until_true(lambda: watcher.queued > 0)
+        granted(db_url, "acme", 5)  # would take it past 64 KiB with the 5 unread
+        await until_true(lambda: watcher.ended)
+        rest = [chunk async for chunk in stream]
+        ids = [line[4:].decode() for line in b"".join(taken).split(b"\n") if line.startswith(b"id: ")]
+        resumed = await hub.watch(ANONYMOUS, None, None, None, ids[-1])
+        again = hub.stream(resumed)
+        got = [await again.__anext__()]
+        while b"".join(got).count(b"\nevent: ") < 10:
+            got.append(await asyncio.wait_for(again.__anext__(), 10))
+        hub.leave(resumed)
+    assert rest == [b"retry: 1000\n\n"], rest
+    assert b"".join(taken).count(b"\nevent: acquired") == 5
+    assert b"".join(got).count(b"\nevent: acquired") == 10
+    assert hub.held == 0
+
+
+async def until_true(condition: Any, within: float = 10) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time"
+        await asyncio.sleep(0.01)
 
 
 # An expiry is reported by the window whose times hold expires_at; a grant or renewal that became
@@ -723,3 +759,135 @@ def test_the_reader_s_statement_reads_the_locks_of_its_events_alone(db_url: str)
         rows = conn.execute(queries.EVENTS, params).fetchall()
     assert len(rows) == 5
     assert "Seq Scan on helix_job_locks" not in plan, plan
+
+
+# Review, second round: what a live read or a bridge sends to a watcher is bounded too, a resume
+# reads its keys a chunk at a time, and a fallback ends no stream. Each test failed before its fix.
+
+
+async def _prompt(hub: EventHub, caller: Caller, count: int) -> tuple[list[Any], list[Any]]:
+    """Streams of the caller's organization whose clients took everything (the join's lines)."""
+    assert caller.organization_id is not None
+    watchers = [await hub.watch(caller, None, caller.organization_id, None, None) for _ in range(count)]
+    streams = [hub.stream(watcher) for watcher in watchers]
+    for stream in streams:
+        assert await anext(stream)  # the keep-alive: joined
+        assert b"id:" in await anext(stream)  # the join id
+    return watchers, streams
+
+
+async def test_one_organizations_burst_to_prompt_readers_stays_within_the_process_bound(db_url: str) -> None:
+    """A read's events reach a watcher that took everything only within its stream's bound and its
+    organization's share; beyond, it catches up a page at a time (a live read was queued whole)."""
+    memory = 1024 * 1024
+    async with event_hub(db_url, memory_bytes=memory, stream_bytes=256 * 1024, replay_limit=1000) as hub:
+        prompt, streams = await _prompt(hub, Caller("key-mallory", "mallory"), 4)
+        granted(db_url, "mallory", 100)  # 100 of its workers at once, 8 KiB of metadata each
+        await until_true(lambda: all(watcher.queued or not watcher.live for watcher in prompt))
+        await asyncio.sleep(0.3)
+        held = hub.held
+        for stream in streams:
+            await stream.aclose()
+    # A catch-up's page takes at least one event (8 KiB here) whatever the room.
+    assert held <= memory + len(prompt) * 9 * 1024, f"{held / 2**20:.1f} MiB held"
+
+
+async def test_one_organizations_burst_to_prompt_readers_does_not_end_another_organizations_stream(
+    db_url: str,
+) -> None:
+    memory = 1024 * 1024
+    async with event_hub(db_url, memory_bytes=memory, stream_bytes=256 * 1024, replay_limit=1000) as hub:
+        theirs = await hub.watch(Caller("key-acme", "acme"), None, "acme", None, None)
+        granted(db_url, "acme", 1, pad=10)  # one small event its client has yet to read
+        await until_true(lambda: len(theirs.events) >= 2)
+        prompt, streams = await _prompt(hub, Caller("key-mallory", "mallory"), 2)
+        granted(db_url, "mallory", 100)
+        await until_true(lambda: all(watcher.queued or not watcher.live for watcher in prompt))
+        granted(db_url, "acme", 1, pad=10)  # acme's next change
+        await until_true(lambda: len(theirs.events) >= 3 or theirs.ended)
+        ended = theirs.ended
+        for stream in streams:
+            await stream.aclose()
+    assert not ended, "acme's stream was ended for what mallory's streams hold"
+
+
+async def test_a_resume_within_the_replay_limit_is_not_refused_while_its_organization_holds_nothing(
+    db_url: str,
+) -> None:
+    """A resume reads its keys a chunk at a time, as much as half its organization's room
+    holds: 8,000 events behind, with 1 MiB for every stream, it is admitted."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        [(start,)] = conn.execute("SELECT pg_current_snapshot()::text").fetchall()
+    now = datetime.now(UTC)
+    resume = event_ids(db_url).encode(Position(Window(start, now, start, now), (now, 0, 0)))
+    history(db_url, organizations=1, locks=4000, prefix="acme")
+    async with event_hub(db_url, memory_bytes=1024 * 1024, replay_limit=10_000) as hub:
+        watcher = await hub.watch(Caller("key-acme", "acme"), None, "acme", None, resume)
+        stream = hub.stream(watcher)
+        got = 0
+        async for chunk in stream:
+            got += chunk.count(b"\nevent: ")
+            if got >= 8000:
+                break
+        held = hub._held_by_organization["acme"]
+        await stream.aclose()  # type: ignore[attr-defined]
+    assert got == 8000
+    assert held <= 1024 * 1024 + 9 * 1024
+
+
+async def test_another_organizations_burst_does_not_end_an_organizations_streams(db_url: str) -> None:
+    """A read of more changes than one may hold (mallory's burst, with a replay limit of 10) sends
+    every live stream through a catch-up of its own: acme's 800 wait their turns, however long
+    (a turn's deadline ended them with retry:), and each gets acme's next event."""
+    async with event_hub(db_url, statement_timeout_ms=100, replay_limit=10, max_watchers=1000,
+                         max_per_organization=1000) as hub:  # fmt: skip
+        watchers = [await hub.watch(Caller("key-acme", "acme"), None, "acme", None, None) for _ in range(800)]
+        got: dict[int, int] = {}
+
+        async def read(watcher: Any) -> None:
+            async for chunk in hub.stream(watcher):
+                got[id(watcher)] = got.get(id(watcher), 0) + chunk.count(b'"organization_id":"acme"')
+
+        readers = [asyncio.create_task(read(watcher)) for watcher in watchers]
+        await asyncio.sleep(0.5)
+        granted(db_url, "mallory", 20, pad=10)  # more than a read may hold
+        granted(db_url, "acme", 1, pad=10)
+
+        def heard() -> int:
+            return sum(got.get(id(w), 0) >= 1 or w.ended for w in watchers)
+
+        await until_true(lambda: heard() >= len(watchers), within=60)
+        ended = sum(watcher.ended for watcher in watchers)
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+    assert ended == 0, f"{ended} of acme's 800 streams ended for mallory's burst"
+    assert set(got.values()) == {1}
+
+
+async def test_bridges_to_clients_that_read_nothing_stay_within_the_process_bound(db_url: str) -> None:
+    """A bridge reaches a resumed watcher only within its bounds; else it catches up again, a page
+    at a time once its client takes the one before (a bridge was queued whole, 64 events)."""
+    memory = 1024 * 1024
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        [(start,)] = conn.execute("SELECT pg_current_snapshot()::text").fetchall()
+    now = datetime.now(UTC)
+    resume = event_ids(db_url).encode(Position(Window(start, now, start, now), (now, 0, 0)))
+    async with event_hub(db_url, memory_bytes=memory, stream_bytes=256 * 1024, replay_limit=1000) as hub:
+        original = hub._next
+        burst: list[bool] = []
+
+        async def bridging_after_a_burst(window: Any) -> Any:
+            if not burst and any(w.at_bridge for w in hub._watchers):
+                burst.append(True)
+                await until_true(lambda: sum(w.at_bridge for w in hub._watchers) == 4)
+                await asyncio.to_thread(granted, db_url, "mallory", 60)  # 60 changes within a poll
+            return await original(window)
+
+        hub._next = bridging_after_a_burst  # type: ignore[method-assign]
+        mallory = Caller("key-mallory", "mallory")
+        slow = [await hub.watch(mallory, None, "mallory", None, resume) for _ in range(4)]
+        await until_true(lambda: bool(burst))
+        await asyncio.sleep(0.5)  # the reader's bridging read and a few more polls
+        held = hub.held
+    assert held <= memory + len(slow) * 9 * 1024, f"{held / 2**20:.1f} MiB held"

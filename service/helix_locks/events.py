@@ -155,6 +155,8 @@ class Event:
     wire: bytes  # id, event and data lines, and the blank line
 
 
+# An event's place in its window (time, lock id, kind), the order a window is sent in.
+Place = tuple[datetime, int, int]
 # An event a catch-up has yet to send: its window, time, lock id and kind.
 Key = tuple[Window, datetime, int, int]
 
@@ -195,6 +197,8 @@ class Watcher:
     events: deque[Event] = field(default_factory=deque)
     queued: int = 0  # bytes of `events`
     keys: deque[Key] = field(default_factory=deque)  # a catch-up's events to send, in order
+    # What a catch-up has yet to read after its keys: windows, each from a place in it, or whole.
+    sources: deque[tuple[Window, Place | None]] = field(default_factory=deque)
     bridge: tuple[str, datetime] | None = None  # where its catch-up ended: snapshot and time
     live: bool = False
     joined: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -213,7 +217,8 @@ class Watcher:
     def at_bridge(self) -> bool:
         """Whether it caught up and waits for the reader's next statement to join it."""
         done = self.catching_up is None or self.catching_up.done()
-        return not self.live and not self.ended and self.bridge is not None and not self.keys and done
+        caught_up = not self.keys and not self.sources
+        return not self.live and not self.ended and self.bridge is not None and caught_up and done
 
 
 class EventHub:
@@ -398,26 +403,32 @@ class EventHub:
                 self.leave(watcher, retry=True)
 
     def _over(self, watcher: Watcher, size: int, *, stream: bool = True) -> bool:
-        """Whether `size` more bytes would pass the stream's (unless not asked), its
-        organization's or the process's bound."""
+        """Whether `size` more bytes would pass the stream's bound (unless not asked) or its
+        organization's share (the shares together are the process's memory)."""
         organization_id = watcher.caller.organization_id
-        return (
-            (stream and watcher.queued + size > self.stream_bytes)
-            or self._held_by_organization[organization_id] + size > self._share(organization_id)
-            or self._held + size > self.memory_bytes
-        )
+        return (stream and watcher.queued + size > self.stream_bytes) or self._held_by_organization[
+            organization_id
+        ] + size > self._share(organization_id)
 
-    def _queue(self, watcher: Watcher, events: Sequence[Event], *, joining: bool = False) -> None:
-        """Queue events for the watcher. One that has left events unread, and that these would
-        take past a bound, is ended with `retry:` (it resumes from the last event it took, and
-        catches up a page at a time). A watcher that took everything always gets them, as does a
-        catch-up's page and a bridge (bounded by PAGE)."""
+    def _deliver(self, watcher: Watcher, events: Sequence[Event], start: tuple[str, datetime]) -> None:
+        """Send a live read's events (of the window that opened at `start`) to the watcher, if
+        they keep it within its stream's bound and its organization's share. Else one that left
+        events unread is ended with `retry:` (it resumes from the last event it took); one that
+        took everything catches up from `start` instead, a page at a time."""
+        size = sum(len(event.wire) for event in events)
+        if events and self._over(watcher, size):
+            if watcher.queued:
+                self.leave(watcher, retry=True)
+            else:
+                self._begin_catch_up(watcher, start)
+            return
+        self._queue(watcher, events)
+
+    def _queue(self, watcher: Watcher, events: Sequence[Event]) -> None:
+        """Queue events for the watcher, counted in what it holds."""
         if not events or watcher.ended:
             return
         size = sum(len(event.wire) for event in events)
-        if not joining and watcher.queued and self._over(watcher, size):
-            self.leave(watcher, retry=True)
-            return
         watcher.events.extend(events)
         watcher.queued += size
         self._hold(watcher, size)
@@ -447,18 +458,22 @@ class EventHub:
     async def _resume(self, watcher: Watcher, resume: Position) -> None:
         """Read what followed the resume's event, as keys to send: the rest of its window, then
         from the window's end to now. Refused here, before the stream is answered: an id the
-        database has not reached, more events than a replay may send, or more than the
-        organization's share of memory."""
+        database has not reached, more events than a replay may send, or an organization whose
+        streams hold its share of memory."""
         window = resume.window
         rows = await self._catch_up_keys(
-            watcher,
-            [(window.after, window.until, resume.place), (window.until, None, None)],
+            watcher, [(window.after, window.until, resume.place), (window.until, None, None)]
         )
         until, until_at = rows[0]["snapshot"], rows[0]["until_at"]
         if _xmax(window.until) > _xmax(until):
             # A window this database has not reached: read before a failover to a standby that
             # lacked the last transactions (asynchronous replication).
             raise EventsExpired("the database has no such point in its history")
+        totals = {row["n"]: row["total"] for row in rows if row["id"] is not None}
+        if sum(totals.values()) > self.replay_limit:
+            raise EventsExpired(
+                f"more than {self.replay_limit} events followed it (HELIX_LOCKS_EVENTS_REPLAY_LIMIT)"
+            )
         if watcher.ended:  # meanwhile the service began to stop, or made room for others
             organization_id = watcher.caller.organization_id
             raise (
@@ -466,16 +481,23 @@ class EventHub:
                 if self._closed
                 else OrganizationWatchersFull(self._share(organization_id), "bytes of events held")
             )
+        watcher.bridge = (until, until_at)
         self._hold_keys(watcher, [window, Window(window.until, window.until_at, until, until_at)], rows)
-        self._begin_catch_up(watcher, (until, until_at))
+        self._begin_catch_up(watcher, watcher.bridge)
+
+    def _chunk(self, watcher: Watcher) -> int:
+        """How many keys a catch-up reads at once: what half the room left in its
+        organization's share holds (the other half for the pages), at least a page, at most a
+        replay."""
+        organization_id = watcher.caller.organization_id
+        room = self._share(organization_id) - self._held_by_organization[organization_id]
+        return max(PAGE, min(self.replay_limit, room // 2 // KEY_BYTES))
 
     async def _catch_up_keys(
-        self,
-        watcher: Watcher,
-        windows: list[tuple[str, str | None, tuple[datetime, int, int] | None]],
+        self, watcher: Watcher, windows: list[tuple[str, str | None, Place | None]]
     ) -> list[DictRow]:
         """queries.CATCH_UP for the windows (after, until or None for now, from a place or None):
-        its rows; EventsExpired past the replay limit."""
+        at most a chunk of keys from each, and how many there are in all."""
         params = {
             "after": [after for after, _, _ in windows],
             "until": [until for _, until, _ in windows],
@@ -484,36 +506,37 @@ class EventHub:
             "from_rank": [None if place is None else place[2] for _, _, place in windows],
             "organization_id": watcher.organization_id,
             "job_type": watcher.job_type,
-            "limit": self.replay_limit,
+            "limit": self._chunk(watcher),
         }
-        async with self._turn(watcher):
+        async with self._turn(watcher, waiting=watcher.catching_up is None):
             try:
-                rows = await self.db.fetch_all(queries.CATCH_UP, params)
+                return await self.db.fetch_all(queries.CATCH_UP, params)
             except InvalidRequest as exc:  # PostgreSQL refused a snapshot
                 raise InvalidArgument("Last-Event-ID", "not an event id of this service") from exc
             except DatabaseUnavailable as exc:
                 if isinstance(exc.__cause__, psycopg.errors.QueryCanceled):
                     raise EventsExpired("reading what followed it takes longer than a statement may") from exc
                 raise
-        if sum(row["id"] is not None for row in rows) > self.replay_limit:
-            raise EventsExpired(
-                f"more than {self.replay_limit} events followed it (HELIX_LOCKS_EVENTS_REPLAY_LIMIT)"
-            )
-        return rows
 
     def _hold_keys(self, watcher: Watcher, windows: list[Window], rows: list[DictRow]) -> int:
-        """Hold a catch-up read's keys (row n is of windows[n - 1]) for the watcher to send, and
-        say how many; OrganizationWatchersFull if they would take its organization past its
-        share."""
+        """Hold a catch-up read's keys (row n is of windows[n - 1]) for the watcher to send, in
+        order: a window read only in part goes back to its sources, from its last key on, and
+        those after it with it. How many keys it holds now; OrganizationWatchersFull if even a
+        page of them would take its organization past its share."""
         if watcher.ended:
             return 0
-        keys = [(windows[row["n"] - 1], utc(row["at"]), row["id"], row["rank"]) for row in rows if row["id"]]
         organization_id = watcher.caller.organization_id
-        size = len(keys) * KEY_BYTES
-        if self._held_by_organization[organization_id] + size > self._share(organization_id):
+        if self._held_by_organization[organization_id] + PAGE * KEY_BYTES > self._share(organization_id):
             raise OrganizationWatchersFull(self._share(organization_id), "bytes of events held")
+        keys: list[Key] = []
+        for n, window in enumerate(windows, start=1):
+            found = [row for row in rows if row["n"] == n and row["id"] is not None]
+            keys += [(window, utc(row["at"]), row["id"], row["rank"]) for row in found]
+            if found and found[0]["total"] > len(found):  # the rest of it, and what follows, later
+                watcher.sources.extend((w, keys[-1][1:] if w is window else None) for w in windows[n - 1 :])
+                break
         watcher.keys.extend(keys)
-        self._hold(watcher, size)
+        self._hold(watcher, len(keys) * KEY_BYTES)
         return len(keys)
 
     def _begin_catch_up(self, watcher: Watcher, start: tuple[str, datetime]) -> None:
@@ -523,25 +546,31 @@ class EventHub:
         watcher.catching_up = asyncio.create_task(task, name="helix-locks-catch-up")
 
     async def _catch_up(self, watcher: Watcher) -> None:
-        """Send the watcher's keys a page at a time, each once the client took the one before;
-        then read from where they end to now, and again, until a read holds no more than a page.
-        The watcher then waits at that point (its bridge) for the reader's next statement, which
-        reads from there to the reader's own window: what came within a poll or so.
+        """Send the watcher's keys a page at a time, each once the client took the one before,
+        reading its sources a chunk at a time; then read from where they end to now, and again,
+        until a read holds no more than a page. The watcher then waits at that point (its
+        bridge) for the reader's next statement, which reads from there to the reader's own
+        window: what came within a poll or so.
 
         Ends the stream with `retry:` (the client resumes from what it took) when the database is
-        away, when the organization passes its share of memory, when more than a replay may send
-        came meanwhile, or when a lock went with retention (its resume is then refused as older
-        than what the database keeps)."""
+        away, when its organization's streams hold its share, or when a lock went with retention
+        (its resume is then refused as older than what the database keeps)."""
         try:
             ids = await self._event_ids()
             while True:
                 if not await self._send_keys(watcher, ids):
                     return
+                if watcher.sources:
+                    window, place = watcher.sources.popleft()
+                    rows = await self._catch_up_keys(watcher, [(window.after, window.until, place)])
+                    self._hold_keys(watcher, [window], rows)
+                    continue
                 assert watcher.bridge is not None
                 start = watcher.bridge
                 rows = await self._catch_up_keys(watcher, [(start[0], None, None)])
                 watcher.bridge = (rows[0]["snapshot"], rows[0]["until_at"])
-                if self._hold_keys(watcher, [Window(*start, *watcher.bridge)], rows) <= PAGE:
+                held = self._hold_keys(watcher, [Window(*start, *watcher.bridge)], rows)
+                if held <= PAGE and not watcher.sources:
                     if await self._send_keys(watcher, ids):
                         self._start_reader()
                     return
@@ -575,16 +604,17 @@ class EventHub:
             for _ in events:
                 watcher.keys.popleft()
             self._hold(watcher, -len(events) * KEY_BYTES)
-            self._queue(watcher, events, joining=True)
+            self._queue(watcher, events)
         return True
 
     @asynccontextmanager
-    async def _turn(self, watcher: Watcher) -> AsyncIterator[None]:
-        """A catch-up statement's turn: one of the organization's at once, REPLAYS_AT_ONCE in all;
-        TooManyWatchers if the turns ahead take longer than a statement's deadline."""
+    async def _turn(self, watcher: Watcher, *, waiting: bool = False) -> AsyncIterator[None]:
+        """A catch-up statement's turn: one of the organization's at once, REPLAYS_AT_ONCE in all.
+        A resume `waiting` to be answered gets TooManyWatchers if the turns ahead take longer than
+        a statement's deadline; an open stream's catch-up waits for its turn, however long."""
         turn = self._replaying[watcher.caller.organization_id]
         try:
-            async with asyncio.timeout(self.db.deadline_seconds):
+            async with asyncio.timeout(self.db.deadline_seconds if waiting else None):
                 await turn.acquire()
                 try:
                     await self._replays.acquire()
@@ -662,7 +692,7 @@ class EventHub:
         mark = Event("", "", f"id: {ids.encode(Position(at, (EPOCH, 0, 0)))}\n\n".encode())
         for watcher in joining:
             watcher.live = True
-            self._queue(watcher, [mark], joining=True)
+            self._queue(watcher, [mark])
             watcher.joined.set_result(None)
 
     async def _next(self, window: tuple[str, datetime]) -> tuple[tuple[str, datetime] | None, bool]:
@@ -706,22 +736,20 @@ class EventHub:
             scopes.setdefault((event.organization_id, event.job_type), []).append(event)
         for watcher in list(self._watchers):
             if watcher.live:
-                self._queue(watcher, scopes.get((watcher.organization_id, watcher.job_type), []))
+                self._deliver(watcher, scopes.get((watcher.organization_id, watcher.job_type), []), window)
         for n, watcher in enumerate(bridging, start=2):
             assert watcher.bridge is not None
             found = by_start.get(n, [])
             if watcher.ended:
                 continue
             bridge = Window(watcher.bridge[0], watcher.bridge[1], until, until_at)
-            if len(found) > PAGE:
-                # Too much came while it caught up: it catches up again, from its bridge to now.
+            events = [_event(ids, bridge, utc(row["at"]), row["rank"], row) for row in found[:PAGE]]
+            if len(found) > PAGE or self._over(watcher, sum(len(event.wire) for event in events)):
+                # Too much came while it caught up, or its client has yet to take what it has: it
+                # catches up again from its bridge, a page at a time.
                 self._begin_catch_up(watcher, watcher.bridge)
                 continue
-            self._queue(
-                watcher,
-                [_event(ids, bridge, utc(row["at"]), row["rank"], row) for row in found],
-                joining=True,
-            )
+            self._queue(watcher, events)
             watcher.live, watcher.bridge = True, None
             if not watcher.joined.done():
                 watcher.joined.set_result(None)

@@ -397,25 +397,26 @@ ORDER BY s.n, e.at, e.id, e.rank
 )
 
 # A catch-up's windows, each (after, until] with until NULL for this statement's own snapshot,
-# from a place on (the events after it, in the order above), as (time, lock id, kind) alone: a
-# catch-up sends their locks a page at a time (EVENT_LOCKS). One statement, so that the last
-# window ends at the snapshot it returns. At most limit + 1 rows per window.
+# from a place on (the events after it, in the order above): at most `limit` of each, as (time,
+# lock id, kind) alone, and how many there are in all (total); a catch-up sends their locks a
+# page at a time (EVENT_LOCKS). One statement, so that the last window ends at the snapshot it
+# returns.
 CATCH_UP = """
-SELECT now.snapshot::text AS snapshot, now.until_at, a.n, e.at, e.id, e.rank
+SELECT now.snapshot::text AS snapshot, now.until_at, a.n, e.at, e.id, e.rank, e.total
 FROM (SELECT pg_current_snapshot() AS snapshot, clock_timestamp() AS until_at) AS now
 CROSS JOIN unnest(
     %(after)s::text[], %(until)s::text[], %(from_at)s::timestamptz[], %(from_id)s::bigint[],
     %(from_rank)s::integer[]
 ) WITH ORDINALITY AS a (after, until, from_at, from_id, from_rank, n)
 LEFT JOIN LATERAL (
-    SELECT w.at, w.id, w.rank
+    SELECT w.at, w.id, w.rank, count(*) OVER () AS total
     FROM helix_window_events(
         a.after::pg_snapshot, coalesce(a.until::pg_snapshot, now.snapshot),
         %(organization_id)s, %(job_type)s
     ) AS w
     WHERE a.from_at IS NULL OR (w.at, w.id, w.rank) > (a.from_at, a.from_id, a.from_rank)
     ORDER BY w.at, w.id, w.rank
-    LIMIT %(limit)s + 1
+    LIMIT %(limit)s
 ) AS e ON true
 ORDER BY a.n, e.at, e.id, e.rank
 """
