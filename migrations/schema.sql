@@ -147,6 +147,7 @@ DECLARE
     v_in_force integer;  -- the held locks' max_holders
     v_first helix_job_locks%ROWTYPE;  -- the held lock whose lease runs out first
     v_reclaim bigint[] := '{}';
+    v_lapsed bigint[];  -- the pair's leases that ran out, unannounced, left to their holders
     v_reclaimed helix_job_locks%ROWTYPE;  -- the one the answer names
     v_slot integer;
     v_now timestamptz;
@@ -265,11 +266,14 @@ BEGIN
             -- The pair's other leases that ran out, which this grant leaves to their holders (it
             -- took a free slot): announced here, under the row locks taken above, so that every
             -- stream sends each expiry before this grant, live or resumed (0019, 0022).
-            UPDATE helix_job_locks AS l SET expired_xid = pg_current_xact_id()
-            WHERE l.id = ANY (
-                ARRAY(SELECT h.id FROM unnest(v_live) AS h
-                      WHERE h.expires_at <= v_now AND h.expired_xid IS NULL AND h.id <> ALL (v_reclaim))
+            v_lapsed := ARRAY(
+                SELECT h.id FROM unnest(v_live) AS h
+                WHERE h.expires_at <= v_now AND h.expired_xid IS NULL AND h.id <> ALL (v_reclaim)
             );
+            IF cardinality(v_lapsed) > 0 THEN  -- rarely: no statement otherwise
+                UPDATE helix_job_locks AS l SET expired_xid = pg_current_xact_id()
+                WHERE l.id = ANY (v_lapsed);
+            END IF;
             INSERT INTO helix_job_locks (
                 organization_id, job_type, holder, token, metadata, fencing_token, acquired_at,
                 expires_at, idempotency_key, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at,
