@@ -123,6 +123,8 @@ class Stream:
                 if seen:
                     return at, kind, data
                 continue
+            if text.startswith("id: "):
+                continue  # an id alone (as a stream joins) is no message, as EventSource has it
             seen = True
             if text.startswith(":"):
                 kind = text
