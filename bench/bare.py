@@ -2,7 +2,7 @@
 measure of what the stack itself costs (the "bare" side of `python -m bench.run`, and the floor of
 `python -m bench.layers`).
 
-The same statements as Helix (helix_locks.queries.ACQUIRE and RELEASE) on a database that
+The same statements as Helix (helix_locks.server.queries.ACQUIRE and RELEASE) on a database that
 `helix-locks migrate` made, a psycopg pool of Helix's default sizes with statements prepared on
 first use as Helix's are, pydantic bodies and pydantic-serialized answers (FastAPI's own path for
 a response model; its ORJSONResponse is deprecated), 409 on 23505. No keys, logs, metrics, request
@@ -27,8 +27,8 @@ from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 from pydantic import BaseModel, Field
 
-from helix_locks import queries
-from helix_locks.settings import Settings
+from helix_locks.server import queries
+from helix_locks.server.settings import Settings
 
 DATABASE_URL = "BARE_DATABASE_URL"
 

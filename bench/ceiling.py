@@ -50,7 +50,7 @@ from bench import BenchError, interrupted, load_average, log, said_and_stopped, 
 from bench.database import bench_database, seed
 from bench.pgbench import pgbench_path
 from bench.results import CPUS, busy_cores, busy_cpu_ticks
-from helix_locks.migrate import migrate
+from helix_locks.server.migrate import migrate
 
 ORGANIZATION = "bench"
 LEVELS = (1, 2, 4, 8, 16, 32, 64)

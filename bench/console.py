@@ -34,7 +34,7 @@ from bench.database import bench_database
 from bench.http_load import run_http
 from bench.results import CPUS, Result, percentile
 from bench.servers import create_key, service_process
-from helix_locks.migrate import migrate
+from helix_locks.server.migrate import migrate
 from tests.support import CHROMEDRIVER, CHROMIUM, offline_chromium
 
 SIDES = ("closed", "watcher", "open")

@@ -20,7 +20,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from bench import BenchError
-from helix_locks.migrate import migrate
+from helix_locks.server.migrate import migrate
 from tests.support import ROOT
 
 

@@ -46,13 +46,13 @@ from bench import interrupted, load_average, log, said_and_stopped
 from bench.database import bench_database, seed
 from bench.servers import bare_process, service_process, worker_pids
 from bench.wrk import WrkResult, run_wrk
-from helix_locks import api, keys, telemetry
-from helix_locks.app import BodyLimit, create_app
-from helix_locks.db import Database
-from helix_locks.hot import HotRoutes
-from helix_locks.keys import Caller, KeyRing
-from helix_locks.migrate import migrate
-from helix_locks.schemas import GrantBody
+from helix_locks.server import api, keys, telemetry
+from helix_locks.server.app import BodyLimit, create_app
+from helix_locks.server.db import Database
+from helix_locks.server.hot import HotRoutes
+from helix_locks.server.keys import Caller, KeyRing
+from helix_locks.server.migrate import migrate
+from helix_locks.server.schemas import GrantBody
 
 LAYER = "HELIX_BENCH_LAYER"
 ORGANIZATION = "bench"  # the API key's, and the requests' (bench/wrk/cycles.lua)

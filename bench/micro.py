@@ -29,9 +29,9 @@ from psycopg.rows import DictRow
 from bench import log, said_and_stopped
 from bench.database import bench_database
 from bench.layers import without_deadline
-from helix_locks import logs
-from helix_locks.db import Database, create_pool
-from helix_locks.settings import Settings
+from helix_locks.server import logs
+from helix_locks.server.db import Database, create_pool
+from helix_locks.server.settings import Settings
 
 Fetch = Callable[[Database, LiteralString, dict[str, Any]], Awaitable[list[DictRow]]]
 FIELDS = {"method": "POST", "path": "/v1/locks", "status": 201, "duration_ms": 1.23, "outcome": "granted"}

@@ -53,8 +53,8 @@ from bench.report import SIDES, median, report
 from bench.results import CPUS, Result
 from bench.servers import bare_process, create_key, etcd_server, service_process, worker_pids
 from bench.wrk import WrkResult, run_wrk
-from helix_locks.embedded import DIRECT_DATABASE_URL
-from helix_locks.migrate import migrate
+from helix_locks.server.embedded import DIRECT_DATABASE_URL
+from helix_locks.server.migrate import migrate
 from tests.support import pgbouncer, rss_mb, through
 
 

@@ -16,7 +16,7 @@ import httpx
 
 from bench import BenchError, bare
 from bench.http_client import REQUEST_TIMEOUT
-from helix_locks import keys
+from helix_locks.server import keys
 from tests.support import ROOT, NotReady, children, free_port, tail, wait_ready
 
 
@@ -43,7 +43,7 @@ def service_process(
 @contextmanager
 def bare_process(url: str, workers: int, log_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """The bare app (bench/bare.py) under uvicorn, with the flags `helix-locks serve` gives it
-    (server.py): httptools, `workers`, no access log, no server header. Helix's protocol is a
+    (server/commands.py): httptools, `workers`, no access log, no server header. Helix's protocol is a
     subclass of uvicorn's httptools one, with bounds on what a client sends."""
     port = free_port()
     command = [sys.executable, "-m", "uvicorn", "bench.bare:app", "--host", "127.0.0.1", "--port", str(port)]

@@ -39,8 +39,8 @@ from bench import interrupted, log
 from bench.database import bench_database
 from bench.results import percentile
 from bench.servers import service_process
-from helix_locks import keys
-from helix_locks.migrate import migrate
+from helix_locks.server import keys
+from helix_locks.server.migrate import migrate
 from tests.history import check, database_history
 from tests.load import KEYS, Load
 from tests.support import helix_command, rss_mb

@@ -45,7 +45,7 @@ from bench.http_client import RawConnection, run_loop
 from bench.pgbench import pgbench_path
 from bench.results import percentile
 from bench.servers import service_process
-from helix_locks.migrate import migrate
+from helix_locks.server.migrate import migrate
 from tests.support import rss_mb
 
 WAIT_SECONDS = 60

@@ -18,9 +18,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from helix_locks import embedded
-from helix_locks.app import create_app
-from helix_locks.migrate import migrate
+from helix_locks.server import embedded
+from helix_locks.server.app import create_app
+from helix_locks.server.migrate import migrate
 from tests.support import ROUTE, build_node_client, in_process, pgbouncer, url_for
 
 TEST_DATABASE_URL = "HELIX_TEST_DATABASE_URL"

@@ -12,9 +12,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from helix_locks import queries
+from helix_locks.server import queries
 
-# The listings of one organization, as service/helix_locks/locks.py sends them, and the index
+# The listings of one organization, as service/helix_locks/server/locks.py sends them, and the index
 # whose one range each must read in order, up to LIMIT.
 LISTINGS = {
     queries.LIST_LIVE: "helix_job_locks_one_live",

@@ -22,8 +22,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from helix_locks import embedded
-from helix_locks.migrate import migrate
+from helix_locks.server import embedded
+from helix_locks.server.migrate import migrate
 from tests.support import ROOT, url_for
 
 PATH = ROOT / "migrations" / "schema.sql"

@@ -28,8 +28,8 @@ from fastapi import FastAPI
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from helix_locks.client import EventDecoder
-from helix_locks.embedded import DIRECT_DATABASE_URL
-from helix_locks.settings import Settings
+from helix_locks.server.embedded import DIRECT_DATABASE_URL
+from helix_locks.server.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")

@@ -17,9 +17,9 @@ import httpx
 import psycopg
 import pytest
 
-from helix_locks import keys
-from helix_locks.app import create_app
-from helix_locks.locks import LiveLockQuota
+from helix_locks.server import keys
+from helix_locks.server.app import create_app
+from helix_locks.server.locks import LiveLockQuota
 from tests.support import ROUTE, in_process, rss_mb, running_service
 from tests.test_api import lock_body
 from tests.test_exactly_once import Background, Conn, lock_waiters, until

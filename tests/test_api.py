@@ -16,9 +16,9 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from helix_locks import keys, schemas
-from helix_locks.app import create_app
-from helix_locks.settings import Settings
+from helix_locks.server import keys, schemas
+from helix_locks.server.app import create_app
+from helix_locks.server.settings import Settings
 from tests.support import ROUTE, TcpProxy, in_process
 
 pytestmark = pytest.mark.anyio

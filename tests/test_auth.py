@@ -16,9 +16,9 @@ import httpx
 import psycopg
 import pytest
 
-from helix_locks import keys
-from helix_locks.app import create_app
-from helix_locks.settings import Settings
+from helix_locks.server import keys
+from helix_locks.server.app import create_app
+from helix_locks.server.settings import Settings
 from tests.support import in_process
 
 pytestmark = pytest.mark.anyio

@@ -7,8 +7,8 @@ import subprocess
 
 import psycopg
 
-from helix_locks import migrate
-from helix_locks.server import is_loopback
+from helix_locks.server import migrate
+from helix_locks.server.commands import is_loopback
 from tests.support import ROOT, helix_command
 
 

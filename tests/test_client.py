@@ -248,7 +248,7 @@ def test_run_interrupted_while_waiting_for_the_lock_exits_128_plus_the_signal(
 def test_run_reads_its_key_from_a_file_and_keeps_it_from_the_command(db_url: str, tmp_path: Path) -> None:
     """--api-key would show in `ps`: --api-key-file does not. And the command gets the lock, not
     the key: HELIX_LOCKS_API_KEY is taken out of its environment unless --pass-api-key."""
-    from helix_locks import keys
+    from helix_locks.server import keys
 
     key = keys.create(db_url, "acme")
     key_file = tmp_path / "key"

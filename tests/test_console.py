@@ -24,9 +24,9 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
-from helix_locks import keys
-from helix_locks.app import create_app
-from helix_locks.console import CONTENT_SECURITY_POLICY
+from helix_locks.server import keys
+from helix_locks.server.app import create_app
+from helix_locks.server.console import CONTENT_SECURITY_POLICY
 from tests.support import ROUTE, needs_chromium, offline_chromium, running_service
 
 HOSTILE = "<img src=x onerror=alert(1)>"

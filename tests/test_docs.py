@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse
 
 # The service's code: the declared problem kinds, the domain errors, and the app's OpenAPI
 # document; the package's source is read from where it lives.
-from helix_locks import openapi, problems
-from helix_locks.errors import LockError
+from helix_locks.server import openapi, problems
+from helix_locks.server.errors import LockError
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = Path(problems.__file__).resolve().parent

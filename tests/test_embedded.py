@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from helix_locks import embedded
+from helix_locks.server import embedded
 
 SUN_PATH_MAX = 107  # bytes of a Unix socket's path, on Linux
 # The system's python, which user nobody may run (this one may live under /root).

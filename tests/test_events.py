@@ -17,11 +17,11 @@ import httpx
 import psycopg
 import pytest
 
-from helix_locks import keys, queries
-from helix_locks.db import Database, create_pool
-from helix_locks.errors import EventsExpired
-from helix_locks.events import EventHub, EventIds, Position, Window
-from helix_locks.keys import ANONYMOUS, KeyRing
+from helix_locks.server import keys, queries
+from helix_locks.server.db import Database, create_pool
+from helix_locks.server.errors import EventsExpired
+from helix_locks.server.events import EventHub, EventIds, Position, Window
+from helix_locks.server.keys import ANONYMOUS, KeyRing
 from tests.support import ROUTE, Event, Watch, running_service
 
 pytestmark = pytest.mark.anyio

@@ -16,11 +16,11 @@ import httpx
 import psycopg
 import pytest
 
-from helix_locks import keys, queries
-from helix_locks.db import Database, create_pool
-from helix_locks.errors import OrganizationWatchersFull
-from helix_locks.events import KEY_BYTES, EventHub, EventIds, Position, Window
-from helix_locks.keys import ANONYMOUS, Caller, KeyRing
+from helix_locks.server import keys, queries
+from helix_locks.server.db import Database, create_pool
+from helix_locks.server.errors import OrganizationWatchersFull
+from helix_locks.server.events import KEY_BYTES, EventHub, EventIds, Position, Window
+from helix_locks.server.keys import ANONYMOUS, Caller, KeyRing
 from tests.support import ROUTE, Watch, running_service
 from tests.test_events import FAST, acquire, event_hub, event_ids, release, replicas
 

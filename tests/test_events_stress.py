@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from helix_locks import keys
-from helix_locks.embedded import DIRECT_DATABASE_URL
+from helix_locks.server import keys
+from helix_locks.server.embedded import DIRECT_DATABASE_URL
 from tests.history import Grant, Renewed, check, database_history
 from tests.load import KEYS, Load
 from tests.support import Event, TcpProxy, Watch, logged_requests, running_service, tail

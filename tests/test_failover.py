@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helix_locks import keys
-from helix_locks.migrate import migrate
+from helix_locks.server import keys
+from helix_locks.server.migrate import migrate
 from tests.history import check, database_history
 from tests.load import KEYS, Load, Run
 from tests.patroni_cluster import Cluster, patroni_cluster

@@ -1,4 +1,4 @@
-"""The thin path of acquire, release and renew (helix_locks.hot) answers as FastAPI's routes do.
+"""The thin path of acquire, release and renew (helix_locks.server.hot) answers as FastAPI's routes do.
 
 Every request here is sent twice, on one database: to the app, whose thin path answers it, and to
 the same app built without the thin path (HotRoutes taken out of its middleware), where FastAPI's
@@ -17,8 +17,8 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
-from helix_locks import hot
-from helix_locks.app import create_app
+from helix_locks.server import hot
+from helix_locks.server.app import create_app
 from tests.support import ROUTE
 
 pytestmark = pytest.mark.anyio

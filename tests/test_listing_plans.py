@@ -13,9 +13,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from helix_locks import keys, queries
-from helix_locks.app import create_app
-from helix_locks.db import Database
+from helix_locks.server import keys, queries
+from helix_locks.server.app import create_app
+from helix_locks.server.db import Database
 from tests.plans import LISTINGS, PLAN_MODES, explain, problems
 from tests.support import ROUTE, in_process, url_for
 

@@ -13,8 +13,8 @@ import httpx
 import psycopg
 import pytest
 
-from helix_locks import keys, logs
-from helix_locks.app import create_app
+from helix_locks.server import keys, logs
+from helix_locks.server.app import create_app
 from tests.support import ROUTE, in_process, logged_requests, running_service
 from tests.test_api import lock_body
 

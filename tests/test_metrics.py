@@ -16,10 +16,10 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helix_locks import keys, openapi, telemetry
-from helix_locks.app import create_app
-from helix_locks.locks import Locks
-from helix_locks.settings import Settings
+from helix_locks.server import keys, openapi, telemetry
+from helix_locks.server.app import create_app
+from helix_locks.server.locks import Locks
+from helix_locks.server.settings import Settings
 from tests.support import in_process, running_service
 from tests.test_api import expire, lock_body
 

@@ -8,7 +8,7 @@ import threading
 import psycopg
 import pytest
 
-from helix_locks import migrate, queries
+from helix_locks.server import migrate, queries
 from tests import schema
 
 NAMES = [m.name for m in migrate.load()]

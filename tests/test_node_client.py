@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from helix_locks import keys
+from helix_locks.server import keys
 from tests.history import Renewed, Told, check, database_history
 from tests.support import ROUTE, npm, running_service
 

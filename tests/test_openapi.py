@@ -13,14 +13,14 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from helix_locks import keys, schemas
-from helix_locks.openapi import PATH, document
+from helix_locks.server import keys, schemas
+from helix_locks.server.openapi import PATH, document
 from tests.support import ROUTE, running_service
 
 
 def test_the_checked_in_document_is_the_apps() -> None:
     assert PATH.read_text(encoding="utf-8") == document(), (
-        "openapi.json is out of date with the app: run `python -m helix_locks.openapi` and commit it"
+        "openapi.json is out of date with the app: run `python -m helix_locks.server.openapi` and commit it"
     )
 
 

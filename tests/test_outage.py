@@ -17,8 +17,8 @@ import httpx
 import psycopg
 import pytest
 
-from helix_locks import embedded
-from helix_locks.migrate import migrate
+from helix_locks.server import embedded
+from helix_locks.server.migrate import migrate
 from tests.support import children, running_service
 from tests.test_api import lock_body
 

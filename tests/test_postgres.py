@@ -26,10 +26,10 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from helix_locks import queries
-from helix_locks.app import create_app
-from helix_locks.embedded import DIRECT_DATABASE_URL
-from helix_locks.settings import Settings
+from helix_locks.server import queries
+from helix_locks.server.app import create_app
+from helix_locks.server.embedded import DIRECT_DATABASE_URL
+from helix_locks.server.settings import Settings
 from tests.history import Told, check, database_history
 from tests.support import (
     PGBOUNCER,

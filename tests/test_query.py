@@ -11,9 +11,9 @@ import httpx
 import pytest
 from fastapi.routing import APIRoute
 
-from helix_locks import api, query
-from helix_locks.app import create_app
-from helix_locks.settings import Settings
+from helix_locks.server import api, query
+from helix_locks.server.app import create_app
+from helix_locks.server.settings import Settings
 from tests.support import ROUTE, running_service
 from tests.test_api import acquire, assert_problem, lock_body
 

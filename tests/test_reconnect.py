@@ -16,11 +16,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from helix_locks import listener, queries
-from helix_locks.app import create_app
-from helix_locks.keys import Caller
-from helix_locks.locks import Grant, Locks
-from helix_locks.waiting import Waiters
+from helix_locks.server import listener, queries
+from helix_locks.server.app import create_app
+from helix_locks.server.keys import Caller
+from helix_locks.server.locks import Grant, Locks
+from helix_locks.server.waiting import Waiters
 from tests.plans import PLAN_MODES, nodes
 from tests.support import ROUTE, in_process
 

@@ -33,8 +33,8 @@ import httpx
 import psycopg
 import pytest
 
-from helix_locks import keys
-from helix_locks.migrate import migrate
+from helix_locks.server import keys
+from helix_locks.server.migrate import migrate
 from tests.history import Told, check, database_history
 from tests.patroni_cluster import Cluster, Replication, patroni_cluster
 from tests.support import running_service

@@ -8,9 +8,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from helix_locks.db import Database, create_pool
-from helix_locks.retention import Pruner
-from helix_locks.settings import Settings
+from helix_locks.server.db import Database, create_pool
+from helix_locks.server.retention import Pruner
+from helix_locks.server.settings import Settings
 
 pytestmark = pytest.mark.anyio
 Conn = psycopg.Connection[Any]

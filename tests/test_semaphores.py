@@ -15,8 +15,8 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
-from helix_locks import keys, migrate, queries
-from helix_locks.app import create_app
+from helix_locks.server import keys, migrate, queries
+from helix_locks.server.app import create_app
 from tests.support import ROUTE, Watch, in_process
 from tests.test_api import acquire, assert_problem, expire, lock_body
 from tests.test_events import replicas

@@ -20,7 +20,7 @@ from psycopg import errors
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from helix_locks import queries, schemas
+from helix_locks.server import queries, schemas
 from tests.history import check, database_history
 
 Conn = psycopg.Connection[Any]

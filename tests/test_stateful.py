@@ -45,7 +45,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from helix_locks import keys
+from helix_locks.server import keys
 from tests.history import Renewed, Told, check, database_history
 from tests.lock_model import ADMIN, ORGANIZATIONS, Expected, Lock, Model, key_names
 from tests.support import ROUTE, running_service

@@ -17,10 +17,10 @@ import psycopg
 import pytest
 from asgi_lifespan import LifespanManager
 
-from helix_locks.app import create_app
-from helix_locks.errors import DatabaseUnavailable, LockHeld
-from helix_locks.locks import Grant
-from helix_locks.waiting import Waiters
+from helix_locks.server.app import create_app
+from helix_locks.server.errors import DatabaseUnavailable, LockHeld
+from helix_locks.server.locks import Grant
+from helix_locks.server.waiting import Waiters
 from tests.support import ROUTE, in_process, running_service
 
 pytestmark = pytest.mark.anyio

@@ -1,6 +1,7 @@
 """Helix Locks: a lock authority for background workers, in front of PostgreSQL.
 
-The SDK for workers (httpx its only dependency; the server's modules need the `server` extra):
+The SDK for workers (httpx its only dependency). The server is helix_locks.server, which needs
+the `server` extra and which nothing here imports:
 
     from helix_locks import LockClient
 

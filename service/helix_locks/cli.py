@@ -1,5 +1,6 @@
 """The `helix-locks` command line. The client commands (run, acquire, renew, release, list,
-current, watch) need the SDK alone; serve, migrate and keys live in server.py, loaded only for them."""
+current, watch) need the SDK alone; serve, migrate and keys live in server/commands.py, loaded only
+for them."""
 
 from __future__ import annotations
 
@@ -342,7 +343,7 @@ def _server(name: str) -> Callable[[argparse.Namespace], int]:
 
     def handler(args: argparse.Namespace) -> int:
         try:
-            from helix_locks import server
+            from helix_locks.server import commands
         except ModuleNotFoundError as exc:
             if (exc.name or "").split(".")[0] not in SERVER_MODULES:
                 raise
@@ -352,8 +353,8 @@ def _server(name: str) -> Callable[[argparse.Namespace], int]:
                 file=sys.stderr,
             )
             return 2
-        command: Callable[[argparse.Namespace], int] = getattr(server, name)
-        return server.run(command, args)
+        command: Callable[[argparse.Namespace], int] = getattr(commands, name)
+        return commands.run(command, args)
 
     return handler
 

@@ -16,9 +16,9 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
-from helix_locks import logs, migrate, problems, query
-from helix_locks.db import Database
-from helix_locks.errors import (
+from helix_locks.server import logs, migrate, problems, query
+from helix_locks.server.db import Database
+from helix_locks.server.errors import (
     DatabaseUnavailable,
     EventsExpired,
     Forbidden,
@@ -39,11 +39,11 @@ from helix_locks.errors import (
     UnsupportedMediaType,
     WaitInterrupted,
 )
-from helix_locks.events import EventHub
-from helix_locks.keys import ANONYMOUS, Caller, KeyRing
-from helix_locks.locks import Grant, Locks, State
-from helix_locks.outcome import Outcome, outcome
-from helix_locks.schemas import (
+from helix_locks.server.events import EventHub
+from helix_locks.server.keys import ANONYMOUS, Caller, KeyRing
+from helix_locks.server.locks import Grant, Locks, State
+from helix_locks.server.outcome import Outcome, outcome
+from helix_locks.server.schemas import (
     AcquireRequest,
     GrantBody,
     Identifier,
@@ -54,8 +54,8 @@ from helix_locks.schemas import (
     UpdateRequest,
     ttl_ms,
 )
-from helix_locks.telemetry import Metrics
-from helix_locks.waiting import Waiters
+from helix_locks.server.telemetry import Metrics
+from helix_locks.server.waiting import Waiters
 
 BIGINT_MAX = 2**63 - 1
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"

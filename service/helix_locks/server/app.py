@@ -23,9 +23,9 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path
 
-from helix_locks import api, console, hot, problems, queries, query, telemetry
-from helix_locks.db import Database, create_pool
-from helix_locks.errors import (
+from helix_locks.server import api, console, hot, problems, queries, query, telemetry
+from helix_locks.server.db import Database, create_pool
+from helix_locks.server.errors import (
     BodyTooLarge,
     DatabaseUnavailable,
     EmptyResult,
@@ -34,13 +34,13 @@ from helix_locks.errors import (
     LockError,
     UnsupportedMediaType,
 )
-from helix_locks.events import EventHub
-from helix_locks.keys import KeyRing
-from helix_locks.listener import Listener
-from helix_locks.locks import LiveLockQuota, Locks
-from helix_locks.retention import Pruner
-from helix_locks.settings import Settings
-from helix_locks.waiting import Waiters
+from helix_locks.server.events import EventHub
+from helix_locks.server.keys import KeyRing
+from helix_locks.server.listener import Listener
+from helix_locks.server.locks import LiveLockQuota, Locks
+from helix_locks.server.retention import Pruner
+from helix_locks.server.settings import Settings
+from helix_locks.server.waiting import Waiters
 
 MAX_BODY_BYTES = 64 * 1024
 logger = logging.getLogger("helix_locks")

@@ -20,9 +20,9 @@ from pathlib import Path
 import psycopg
 from pydantic import ValidationError
 
-from helix_locks import embedded, keys, listener, logs, migrate, telemetry
-from helix_locks.schemas import IDENTIFIER_PATTERN
-from helix_locks.settings import EdgeSettings, Settings
+from helix_locks.server import embedded, keys, listener, logs, migrate, telemetry
+from helix_locks.server.schemas import IDENTIFIER_PATTERN
+from helix_locks.server.settings import EdgeSettings, Settings
 
 logger = logging.getLogger("helix_locks")
 
@@ -86,10 +86,10 @@ def serve(args: argparse.Namespace) -> int:
         EdgeSettings()  # a bad bound is said now, not by every worker
         with _metrics_directory(args.workers):
             uvicorn.run(
-                "helix_locks.app:create_app",
+                "helix_locks.server.app:create_app",
                 factory=True,
                 # uvicorn's httptools protocol, with bounds on a request's size and time.
-                http="helix_locks.edge:GuardedHttpToolsProtocol",
+                http="helix_locks.server.edge:GuardedHttpToolsProtocol",
                 host=args.host,
                 port=args.port,
                 workers=args.workers,

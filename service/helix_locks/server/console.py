@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from helix_locks import query
+from helix_locks.server import query
 
 ASSETS = Path(__file__).with_name("console")
 

@@ -14,8 +14,8 @@ import psycopg
 from psycopg.rows import DictRow, dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from helix_locks import queries
-from helix_locks.errors import (
+from helix_locks.server import queries
+from helix_locks.server.errors import (
     DatabaseUnavailable,
     EmptyResult,
     Holder,
@@ -29,7 +29,7 @@ from helix_locks.errors import (
     ShareEnded,
     TokenMismatch,
 )
-from helix_locks.settings import Settings
+from helix_locks.server.settings import Settings
 
 Pool = AsyncConnectionPool[psycopg.AsyncConnection[DictRow]]
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from helix_locks.settings import EdgeSettings
+from helix_locks.server.settings import EdgeSettings
 
 
 @functools.cache

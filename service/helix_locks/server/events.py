@@ -21,9 +21,9 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 from psycopg.rows import DictRow
 
-from helix_locks import queries
-from helix_locks.db import Database
-from helix_locks.errors import (
+from helix_locks.server import queries
+from helix_locks.server.db import Database
+from helix_locks.server.errors import (
     DatabaseUnavailable,
     EventsExpired,
     InternalError,
@@ -35,9 +35,9 @@ from helix_locks.errors import (
     TooManyWatchers,
     Unauthenticated,
 )
-from helix_locks.keys import Caller, KeyRing
-from helix_locks.locks import Lock, Reclaimed, utc
-from helix_locks.schemas import AcquiredEventBody, EventBody, EventType, LockBody, ReclaimedBody
+from helix_locks.server.keys import Caller, KeyRing
+from helix_locks.server.locks import Lock, Reclaimed, utc
+from helix_locks.server.schemas import AcquiredEventBody, EventBody, EventType, LockBody, ReclaimedBody
 
 logger = logging.getLogger(__name__)
 

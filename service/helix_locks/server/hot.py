@@ -24,9 +24,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from helix_locks import api
-from helix_locks.errors import LockError
-from helix_locks.schemas import AcquireRequest, RenewRequest
+from helix_locks.server import api
+from helix_locks.server.errors import LockError
+from helix_locks.server.schemas import AcquireRequest, RenewRequest
 
 LOCKS = "/v1/locks"
 # api.acquire's Idempotency-Key header, as its Header(pattern=...) reads it (fullmatch: pydantic's

@@ -19,10 +19,10 @@ from typing import Any
 
 import psycopg
 
-from helix_locks import queries
-from helix_locks.db import Database
-from helix_locks.errors import Forbidden, Unauthenticated
-from helix_locks.listener import Listener
+from helix_locks.server import queries
+from helix_locks.server.db import Database
+from helix_locks.server.errors import Forbidden, Unauthenticated
+from helix_locks.server.listener import Listener
 
 PREFIX = "hlk_"
 _KEY = re.compile(r"^hlk_([0-9a-f]{12})_[A-Za-z0-9_-]{43}$")

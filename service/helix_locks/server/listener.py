@@ -11,9 +11,9 @@ from typing import Any
 
 import psycopg
 
-from helix_locks import queries
-from helix_locks.db import CONNECTION_KWARGS, configure_session
-from helix_locks.errors import LockError
+from helix_locks.server import queries
+from helix_locks.server.db import CONNECTION_KWARGS, configure_session
+from helix_locks.server.errors import LockError
 
 logger = logging.getLogger("helix_locks")
 # Called with the listening connection (free to run statements on it) and the payloads heard;

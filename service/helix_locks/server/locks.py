@@ -17,9 +17,9 @@ from typing import Any, Literal
 from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
-from helix_locks import queries
-from helix_locks.db import Database
-from helix_locks.errors import (
+from helix_locks.server import queries
+from helix_locks.server.db import Database
+from helix_locks.server.errors import (
     Forbidden,
     InvalidArgument,
     LockError,
@@ -29,7 +29,7 @@ from helix_locks.errors import (
     QuotaExceeded,
     ShareEnded,
 )
-from helix_locks.keys import Caller
+from helix_locks.server.keys import Caller
 
 State = Literal["held", "expired", "released", "reclaimed"]
 LIVE_STATES: tuple[State, ...] = ("held", "expired")

@@ -11,9 +11,9 @@ from typing import Any
 
 import psycopg
 
-from helix_locks import queries
-from helix_locks.db import Database
-from helix_locks.errors import SchemaNotReady
+from helix_locks.server import queries
+from helix_locks.server.db import Database
+from helix_locks.server.errors import SchemaNotReady
 
 # pg_advisory_lock key held while migrating, so replicas starting together apply each file once.
 ADVISORY_LOCK_KEY = 0x48454C49584C4B  # "HELIXLK"
@@ -37,7 +37,7 @@ class Migration:
 def migrations_dir() -> Path:
     """Inside the installed package (the wheel copies them there), else the source tree's."""
     here = Path(__file__).resolve().parent
-    for candidate in (here / "migrations", here.parent.parent / "migrations"):
+    for candidate in (here / "migrations", here.parents[2] / "migrations"):
         if candidate.is_dir():
             return candidate
     raise MigrationError(f"no migrations directory beside {here}")

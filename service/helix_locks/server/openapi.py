@@ -1,14 +1,15 @@
-"""The app's OpenAPI document, checked in as openapi.json: `python -m helix_locks.openapi` rewrites it."""
+"""The app's OpenAPI document, checked in as openapi.json: `python -m helix_locks.server.openapi`
+rewrites it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from helix_locks.app import create_app
-from helix_locks.settings import Settings
+from helix_locks.server.app import create_app
+from helix_locks.server.settings import Settings
 
-PATH = Path(__file__).resolve().parents[2] / "openapi.json"  # at the source tree's root
+PATH = Path(__file__).resolve().parents[3] / "openapi.json"  # at the source tree's root
 
 
 def document() -> str:

@@ -8,7 +8,7 @@ from typing import Any
 
 from starlette.types import Scope
 
-from helix_locks import logs
+from helix_locks.server import logs
 
 _KEY = "helix_locks.outcome"
 

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-from helix_locks.errors import (
+from helix_locks.server.errors import (
     HOLDERS_LISTED,
     BodyTooLarge,
     DatabaseUnavailable,
@@ -43,8 +43,8 @@ from helix_locks.errors import (
     UnsupportedMediaType,
     WaitInterrupted,
 )
-from helix_locks.outcome import outcome
-from helix_locks.schemas import Problem
+from helix_locks.server.outcome import outcome
+from helix_locks.server.schemas import Problem
 
 MEDIA_TYPE = "application/problem+json"
 URN = "urn:helix-locks:problem:"

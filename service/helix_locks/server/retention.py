@@ -8,9 +8,9 @@ import contextlib
 import logging
 from datetime import timedelta
 
-from helix_locks import queries
-from helix_locks.db import Database
-from helix_locks.errors import LockError
+from helix_locks.server import queries
+from helix_locks.server.db import Database
+from helix_locks.server.errors import LockError
 
 logger = logging.getLogger("helix_locks")
 

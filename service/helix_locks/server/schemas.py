@@ -9,8 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
-from helix_locks.errors import HOLDERS_LISTED
-from helix_locks.locks import Grant, Lock, Renewal, State, storable_text
+from helix_locks.server.errors import HOLDERS_LISTED
+from helix_locks.server.locks import Grant, Lock, Renewal, State, storable_text
 
 # Metadata as stored (stored_bytes), which is what every answer carries back; migration 0021
 # holds the database to the same bound.

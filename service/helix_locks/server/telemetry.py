@@ -28,10 +28,10 @@ from prometheus_client import (
 from prometheus_client.metrics import MetricWrapperBase
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from helix_locks import logs, problems, queries
-from helix_locks.db import Database, Pool
-from helix_locks.errors import LockError, ShuttingDown
-from helix_locks.outcome import Outcome, outcome
+from helix_locks.server import logs, problems, queries
+from helix_locks.server.db import Database, Pool
+from helix_locks.server.errors import LockError, ShuttingDown
+from helix_locks.server.outcome import Outcome, outcome
 
 logger = logging.getLogger("helix_locks.requests")
 

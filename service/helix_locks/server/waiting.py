@@ -27,15 +27,15 @@ from typing import Any
 
 import psycopg
 
-from helix_locks import queries
-from helix_locks.errors import (
+from helix_locks.server import queries
+from helix_locks.server.errors import (
     DatabaseUnavailable,
     LockHeld,
     OrganizationWaitersFull,
     TooManyWaiters,
     WaitInterrupted,
 )
-from helix_locks.locks import Grant
+from helix_locks.server.locks import Grant
 
 logger = logging.getLogger("helix_locks")
 Key = tuple[str, str]
