@@ -365,5 +365,27 @@ def test_run_against_a_refused_connection_says_so_and_exits_69_at_once() -> None
         result = helix(f"http://127.0.0.1:{port}", "run", "--org", "acme", "--job-type", "x", "--", "true")
         took = time.monotonic() - started
     assert result.returncode == 69, result.stderr
-    assert "refused the connection" in result.stderr
+    assert "connection refused" in result.stderr
     assert took < 5, f"took {took:.1f} s"
+
+
+def test_run_against_a_name_that_does_not_resolve_says_so_and_exits_69_at_once() -> None:
+    started = time.monotonic()
+    result = helix("http://helix-locks.invalid:8080", "run", "--org", "acme", "--job-type", "x", "--", "true")
+    took = time.monotonic() - started
+    assert result.returncode == 69, result.stderr
+    assert "'helix-locks.invalid' does not resolve" in result.stderr
+    assert took < 5, f"took {took:.1f} s"
+
+
+def test_a_url_without_a_scheme_is_a_usage_error_that_names_it() -> None:
+    for args in (("run", "--org", "acme", "--job-type", "x", "--", "true"), ("list",)):
+        started = time.monotonic()
+        result = helix("localhost:8080", *args)
+        took = time.monotonic() - started
+        assert result.returncode == 2, result
+        assert "HELIX_LOCKS_URL" in result.stderr and "'localhost:8080'" in result.stderr, result.stderr
+        assert "http:// or https://" in result.stderr and "Traceback" not in result.stderr
+        assert took < 5, f"took {took:.1f} s"
+    given = helix("http://127.0.0.1:1", "list", "--url", "127.0.0.1:8080")
+    assert given.returncode == 2 and "--url: not a service URL: '127.0.0.1:8080'" in given.stderr, given

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -20,11 +21,13 @@ import pytest
 from helix_locks import (
     AsyncLockClient,
     HelixError,
+    InvalidURL,
     Lease,
     LockClient,
     LockHeld,
     LockLost,
     MaxHoldersMismatch,
+    Unavailable,
 )
 from helix_locks.client import _grant
 from tests.support import LyingProxy, running_service
@@ -34,16 +37,16 @@ class Either:
     """A LockClient, or an AsyncLockClient on an event loop of its own thread, called the same way
     (tests are written once): every method and `lock` block as if synchronous."""
 
-    def __init__(self, kind: str, url: str) -> None:
+    def __init__(self, kind: str, url: str, **options: Any) -> None:
         self.kind = kind
         self._loop: asyncio.AbstractEventLoop | None = None
         if kind == "sync":
-            self.client: Any = LockClient(url)
+            self.client: Any = LockClient(url, **options)
             return
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self.client = self._await(_make_async(url))
+        self.client = self._await(_make_async(url, **options))
 
     def _await(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
         assert self._loop is not None
@@ -80,8 +83,8 @@ class Either:
         self._loop.close()
 
 
-async def _make_async(url: str) -> AsyncLockClient:
-    return AsyncLockClient(url)
+async def _make_async(url: str, **options: Any) -> AsyncLockClient:
+    return AsyncLockClient(url, **options)
 
 
 @pytest.fixture(params=["sync", "async"])
@@ -96,8 +99,8 @@ def service(db_url: str, tmp_path: Path) -> Iterator[tuple[str, Any]]:
 
 
 @contextlib.contextmanager
-def either(kind: str, url: str) -> Iterator[Either]:
-    client = Either(kind, url)
+def either(kind: str, url: str, **options: Any) -> Iterator[Either]:
+    client = Either(kind, url, **options)
     try:
         yield client
     finally:
@@ -346,3 +349,44 @@ def test_an_older_service_without_semaphores_reads_as_one_slot() -> None:
     assert held.max_holders == 1
     assert held.holders == [{"lock_id": 7, "holder": "w", "slot": 0, "expires_at": "2026-12-01T00:00:00Z"}]
     assert held.holders_total == 1
+
+
+# --- a wrong address -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("client_class", [LockClient, AsyncLockClient])
+@pytest.mark.parametrize("url", ["localhost:8080", "127.0.0.1:8080", "ftp://example.com", "http://"])
+def test_a_url_that_cannot_be_the_service_s_is_refused_when_the_client_is_made(
+    client_class: type[LockClient | AsyncLockClient], url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ValueError, match="http:// or https://") as refused:
+        client_class(url)
+    assert isinstance(refused.value, InvalidURL) and repr(url) in str(refused.value)
+    monkeypatch.setenv("HELIX_LOCKS_URL", url)
+    with pytest.raises(InvalidURL):
+        client_class()
+
+
+def test_nothing_listening_an_unknown_name_and_no_answer_are_each_said_at_once(kind: str) -> None:
+    """Not 15 s of retries that end in "no answer" whatever the cause: a refused connection and
+    a name that does not resolve are said within about a second, and a silent service after the
+    client's own timeout."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel accepts connections that nobody answers
+        with socket.socket() as closed:
+            closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+            cases = [
+                (f"http://127.0.0.1:{closed.getsockname()[1]}", "connection refused by"),
+                ("http://helix-locks.invalid:8080", "'helix-locks.invalid' does not resolve"),
+                (f"http://127.0.0.1:{silent.getsockname()[1]}", "(timed out)"),
+            ]
+            for url, says in cases:
+                with either(kind, url, timeout=0.5) as client:
+                    started = time.monotonic()
+                    with pytest.raises(Unavailable) as unavailable:
+                        client.acquire("acme", "nowhere", ttl=2)
+                    took = time.monotonic() - started
+                assert says in str(unavailable.value), (url, str(unavailable.value))
+                assert url in str(unavailable.value)
+                assert took < 5, f"{url}: took {took:.1f} s"

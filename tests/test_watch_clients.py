@@ -304,7 +304,7 @@ def test_nothing_listening_is_said_at_once(kind: str) -> None:
     started = time.monotonic()
     events, error = watch_until_error(kind, f"http://127.0.0.1:{free_port()}")
     assert events == []
-    assert isinstance(error, Unavailable) and "refused the connection" in str(error)
+    assert isinstance(error, Unavailable) and "connection refused" in str(error)
     assert time.monotonic() - started < 3
 
 
@@ -427,7 +427,7 @@ def test_the_command_says_at_once_that_nothing_listens() -> None:
     watcher = helix_watch(f"http://127.0.0.1:{free_port()}")
     _, err = watcher.communicate(timeout=20)
     assert watcher.returncode == 69
-    assert "refused the connection" in err
+    assert "connection refused" in err
 
 
 def read_line(process: subprocess.Popen[str], timeout: float) -> str:

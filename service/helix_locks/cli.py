@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 
 from helix_locks import runner
-from helix_locks.client import ApiError, HelixError, LockClient, LockHeld, LockLost
+from helix_locks.client import ApiError, HelixError, InvalidURL, LockClient, LockHeld, LockLost
 
 # What the server's commands import that a worker's install lacks.
 SERVER_MODULES = {
@@ -40,7 +40,13 @@ def _stop(signum: int, frame: FrameType | None) -> None:
 
 
 def _client(args: argparse.Namespace) -> LockClient:
-    return LockClient(args.url, _api_key(args))
+    """The command's client; a URL that cannot be the service's is a usage error (status 2)."""
+    try:
+        return LockClient(args.url, _api_key(args))
+    except InvalidURL as exc:
+        given = "--url" if args.url else "HELIX_LOCKS_URL"
+        print(f"helix-locks {args.command}: {given}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

@@ -64,7 +64,13 @@ class ApiError(HelixError):
 
 
 class Unavailable(HelixError):
-    """The service could not be reached, or answered 503, until the retries ran out."""
+    """The service could not be reached, or answered 503, until the retries ran out. The message
+    says why: the connection was refused, the host's name does not resolve, or no answer came."""
+
+
+class InvalidURL(HelixError, ValueError):
+    """The service's URL cannot be one: it needs http:// or https:// and a host. Raised when a
+    client is made, before any request."""
 
 
 class LockHeld(HelixError):
@@ -185,19 +191,53 @@ def _is_retryable(error: BaseException | None, response: httpx.Response | None, 
 REFUSED_WITHIN_SECONDS = 1.0
 
 
+def _base_url(given: str) -> str:
+    """The service's URL, without a trailing slash; InvalidURL unless it is http(s) with a host
+    (`localhost:8080` would otherwise read as the scheme `localhost`, and fail at every request)."""
+    try:
+        url = httpx.URL(given)
+    except httpx.InvalidURL as exc:
+        raise InvalidURL(f"not a URL: {given!r} ({exc})") from exc
+    if url.scheme not in ("http", "https") or not url.host:
+        such_as = "" if "://" in given else f", such as 'http://{given}'"
+        raise InvalidURL(f"not a service URL: {given!r}: it needs http:// or https:// and a host{such_as}")
+    return given.rstrip("/")
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def _cause(error: BaseException | None, kind: type[E]) -> E | None:
+    """The first exception of `kind` along an error's causes (httpx wraps the socket's)."""
+    while error is not None:
+        if isinstance(error, kind):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _refused(error: BaseException | None) -> bool:
     """Whether a connection was refused: nothing listens at the address (not a slow answer)."""
-    while error is not None:
-        if isinstance(error, ConnectionRefusedError):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    return _cause(error, ConnectionRefusedError) is not None
+
+
+def _nothing_there(error: BaseException | None) -> bool:
+    """Whether the address has no service: the connection was refused, or the host's name does
+    not resolve (not a slow answer, which retrying may cure)."""
+    return _refused(error) or _cause(error, socket.gaierror) is not None
 
 
 def _gave_up(base_url: str, within: float, error: BaseException | None) -> Unavailable:
+    """Why a request found no service: refused, a name that does not resolve, or no answer."""
     if _refused(error):
-        return Unavailable(f"{base_url} refused the connection: is the service running there?")
-    return Unavailable(f"no answer from {base_url} within {within:.1f} s")
+        return Unavailable(f"connection refused by {base_url}: is the service running there?")
+    if (unresolved := _cause(error, socket.gaierror)) is not None:
+        host = httpx.URL(base_url).host
+        return Unavailable(f"{base_url}: the host name {host!r} does not resolve ({unresolved.strerror})")
+    if isinstance(error, httpx.TimeoutException):
+        return Unavailable(f"no answer from {base_url} within {within:.1f} s (timed out)")
+    last = f" (the last try: {str(error) or type(error).__name__})" if error is not None else ""
+    return Unavailable(f"no answer from {base_url} within {within:.1f} s{last}")
 
 
 def _backoff(attempt: int, response: httpx.Response | None) -> float:
@@ -455,9 +495,10 @@ class _Core:
     """Settings, requests, retries and backoff, the acquire's wait and a lease's renewal."""
 
     def __init__(self, base_url: str | None, api_key: str | None, timeout: float) -> None:
-        self.base_url = (base_url or os.environ.get("HELIX_LOCKS_URL") or DEFAULT_URL).rstrip("/")
+        self.base_url = _base_url(base_url or os.environ.get("HELIX_LOCKS_URL") or DEFAULT_URL)
         self.headers = _headers(api_key or os.environ.get("HELIX_LOCKS_API_KEY"))
         self.timeout = timeout
+        self._heard = False  # whether the service has answered this client yet
 
     def _send(
         self,
@@ -469,16 +510,21 @@ class _Core:
         holding: bool = False,
         **kwargs: Any,
     ) -> Flow[httpx.Response]:
-        """One request, retried on network trouble and 503 for at most `within` seconds (a
-        refused connection for at most `refused_within`)."""
+        """One request, retried on network trouble and 503 for at most `within` seconds; a refused
+        connection or a name that does not resolve for at most `refused_within` (by default, until
+        the service has answered this client once, REFUSED_WITHIN_SECONDS: a wrong address is
+        said at once, a service that answered before and refuses now is restarting)."""
+        if refused_within is None:
+            refused_within = within if self._heard else REFUSED_WITHIN_SECONDS
         deadline = time.monotonic() + within
-        refused_deadline = min(deadline, time.monotonic() + (refused_within or within))
+        refused_deadline = min(deadline, time.monotonic() + refused_within)
         idempotent = method != "POST" or holding or "Idempotency-Key" in kwargs.get("headers", {})
         attempt = 0
         while True:
             outcome = yield _Call(method, path, kwargs)
             response = outcome if isinstance(outcome, httpx.Response) else None
             error = outcome if isinstance(outcome, httpx.TransportError) else None
+            self._heard = self._heard or response is not None
             if not _is_retryable(error, response, idempotent):
                 if error is not None:
                     raise Unavailable(str(error)) from error
@@ -486,7 +532,7 @@ class _Core:
                 _raise_for(response, holding)
                 return response
             pause = _backoff(attempt, response)
-            if time.monotonic() + pause > (refused_deadline if _refused(error) else deadline):
+            if time.monotonic() + pause > (refused_deadline if _nothing_there(error) else deadline):
                 raise _gave_up(self.base_url, within, error) from error
             yield _Pause(pause)
             attempt += 1
@@ -621,7 +667,7 @@ class _Core:
             elif response is not None and response.status_code not in WATCH_RETRIED:
                 raise ApiError(response.status_code, _problem(response))
             pause = max(_backoff(attempt, response), retry)
-            gave_up_at = since + (limit if heard or not _refused(error) else REFUSED_WITHIN_SECONDS)
+            gave_up_at = since + (limit if heard or not _nothing_there(error) else REFUSED_WITHIN_SECONDS)
             if time.monotonic() + pause > gave_up_at:
                 raise _gave_up(self.base_url, time.monotonic() - since, error) from error
             yield _Pause(pause)
