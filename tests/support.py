@@ -4,6 +4,7 @@ service processes, PgBouncer."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import pwd
@@ -17,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -549,3 +550,25 @@ def node_example(node_client: Path, into: Path) -> Path:
     (into / "node_modules").mkdir(exist_ok=True)
     (into / "node_modules" / "helix-locks").symlink_to(node_client, target_is_directory=True)
     return Path(shutil.copy(ROOT / "examples" / "node-worker.mjs", into / "node-worker.mjs"))
+
+
+class Files(SimpleHTTPRequestHandler):
+    """python -m http.server's handler, quiet."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@contextmanager
+def plain_http_server(directory: Path) -> Iterator[str]:
+    """An HTTP server that is not Helix Locks (python's own, serving an empty directory): 404 to
+    a GET, 501 to a POST."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Files, directory=str(directory)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

@@ -15,7 +15,7 @@ from pathlib import Path
 import psycopg
 
 from helix_locks.client import LockClient
-from tests.support import ROOT, running_service
+from tests.support import ROOT, plain_http_server, running_service
 
 
 def test_importing_the_sdk_and_its_command_line_needs_httpx_only() -> None:
@@ -156,7 +156,7 @@ def test_run_with_max_holders_gives_each_command_its_slot(db_url: str, tmp_path:
     slots = sorted(path.read_text().strip() for path in tmp_path.glob("slot.*"))
     assert slots == ["0", "1"]
     assert full.returncode == 75 and "all 2 slots" in full_err, full_err
-    assert other.returncode == 69 and "allow 2 holders" in other_err, other_err
+    assert other.returncode == 64 and "allow 2 holders" in other_err, other_err
     assert took < 5, "a mismatch is not waited for"
 
 
@@ -389,3 +389,66 @@ def test_a_url_without_a_scheme_is_a_usage_error_that_names_it() -> None:
         assert took < 5, f"took {took:.1f} s"
     given = helix("http://127.0.0.1:1", "list", "--url", "127.0.0.1:8080")
     assert given.returncode == 2 and "--url: not a service URL: '127.0.0.1:8080'" in given.stderr, given
+
+
+# --- refusals and wrong addresses --------------------------------------------------------------
+
+
+def test_a_refused_request_prints_each_field_error_and_exits_64_in_every_command(
+    db_url: str, tmp_path: Path
+) -> None:
+    """64 (EX_USAGE), not 69 (EX_UNAVAILABLE, which wrappers retry), and the rule each field
+    broke, as the problem's errors[] names it."""
+    rule = "organization_id: String should match pattern"
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        for args in (
+            ("run", "--org", "ac me", "--job-type", "x", "--", "true"),
+            ("acquire", "--org", "ac me", "--job-type", "x"),
+            ("current", "--org", "ac me", "--job-type", "x"),
+            ("list", "--org", "ac me"),
+        ):
+            refused = helix(url, *args)
+            assert refused.returncode == 64, refused
+            assert "422: Invalid: organization_id." in refused.stderr, refused.stderr
+            assert rule in refused.stderr, refused.stderr
+        semaphore = helix(url, "run", "--org", "acme", "--job-type", "x", "--max-holders", "0", "--", "true")
+        assert semaphore.returncode == 64 and "max_holders: Input should be greater" in semaphore.stderr
+        watcher = helix(url, "watch", "--org", "ac me")
+        assert watcher.returncode == 64 and rule in watcher.stderr, watcher
+        stranger = helix(url, "acquire", "--org", "acme", "--job-type", "x", "--api-key", "hlk_nobody")
+        assert stranger.returncode == 64 and "401" in stranger.stderr, stranger
+
+
+def test_a_url_that_is_not_the_service_s_root_is_said_so_and_exits_64(db_url: str, tmp_path: Path) -> None:
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        wrong = f"{url}/v1"
+        for args, request in (
+            (("run", "--org", "acme", "--job-type", "x", "--", "true"), "POST /v1/v1/locks"),
+            (("current", "--org", "acme", "--job-type", "x"), "GET /v1/v1/locks/current"),
+            (("release", "1", "--token", "t"), "DELETE /v1/v1/locks/1"),
+            (("list",), "GET /v1/v1/locks"),
+            (("watch",), "GET /v1/v1/events"),
+        ):
+            result = helix(wrong, *args)
+            assert result.returncode == 64, result
+            says = f"{wrong} does not look like a Helix Locks service: {request} answered 404"
+            assert says in result.stderr, result.stderr
+            assert f"such as {url})" in result.stderr, result.stderr
+        # The service's own 404s mean what they say still.
+        none = helix(url, "current", "--org", "acme", "--job-type", "x")
+        assert none.returncode == 1 and "no lock is held" in none.stderr, none
+        gone = helix(url, "release", "12345", "--token", "t")
+        assert gone.returncode == 76 and "not yours" in gone.stderr, gone
+
+
+def test_a_server_that_is_not_helix_locks_is_said_so_and_exits_64(tmp_path: Path) -> None:
+    with plain_http_server(tmp_path) as url:
+        for args, answered in (
+            (("run", "--org", "acme", "--job-type", "x", "--", "true"), "POST /v1/locks answered 501"),
+            (("list",), "GET /v1/locks answered 404"),
+            (("watch",), "GET /v1/events answered 404"),
+        ):
+            result = helix(url, *args)
+            assert result.returncode == 64, result
+            assert f"{url} does not look like a Helix Locks service: {answered}" in result.stderr, result
+            assert "such as" not in result.stderr, "the URL is a root already"

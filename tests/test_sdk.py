@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from helix_locks import (
+    ApiError,
     AsyncLockClient,
     HelixError,
     InvalidURL,
@@ -27,10 +28,11 @@ from helix_locks import (
     LockHeld,
     LockLost,
     MaxHoldersMismatch,
+    NotHelixLocks,
     Unavailable,
 )
 from helix_locks.client import _grant
-from tests.support import LyingProxy, running_service
+from tests.support import LyingProxy, plain_http_server, running_service
 
 
 class Either:
@@ -390,3 +392,39 @@ def test_nothing_listening_an_unknown_name_and_no_answer_are_each_said_at_once(k
                 assert says in str(unavailable.value), (url, str(unavailable.value))
                 assert url in str(unavailable.value)
                 assert took < 5, f"{url}: took {took:.1f} s"
+
+
+def test_a_refusal_names_each_field_and_the_rule_it_broke(kind: str, service: tuple[str, Any]) -> None:
+    with either(kind, service[0]) as client, pytest.raises(ApiError) as refused:
+        client.acquire("ac me", "x", ttl=0)
+    assert refused.value.status == 422
+    lines = str(refused.value).splitlines()
+    assert lines[0] == "422: Invalid: organization_id, ttl_seconds.", lines
+    assert lines[1].startswith("  organization_id: String should match pattern"), lines
+    assert lines[2].startswith("  ttl_seconds: Input should be greater than"), lines
+
+
+def test_a_path_under_the_service_s_root_is_not_taken_for_the_service(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    """Its 404s are the routes', not locks': no "none is held", no lost lock."""
+    url = service[0]
+    with either(kind, f"{url}/v1") as client:
+        for method, args in (("current", ("acme", "x")), ("acquire", ("acme", "x")), ("release", (1, "t"))):
+            with pytest.raises(NotHelixLocks) as wrong:
+                getattr(client, method)(*args)
+            assert wrong.value.status == 404
+            assert f"{url}/v1 does not look like a Helix Locks service" in str(wrong.value)
+            assert f"such as {url})" in str(wrong.value)
+    with either(kind, url) as client:
+        assert client.current("acme", "x") is None
+        with pytest.raises(LockLost):
+            client.release(12345, "token")
+
+
+def test_a_server_that_is_not_helix_locks_is_said_so(kind: str, tmp_path: Path) -> None:
+    with plain_http_server(tmp_path) as url, either(kind, url) as client:
+        with pytest.raises(NotHelixLocks, match="does not look like a Helix Locks service: POST /v1/locks"):
+            client.acquire("acme", "x")
+        with pytest.raises(NotHelixLocks, match="GET /v1/locks answered 404"):
+            client.list()

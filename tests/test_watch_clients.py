@@ -377,7 +377,7 @@ def helix_watch(url: str, *args: str) -> subprocess.Popen[str]:
     )
 
 
-def test_the_command_prints_json_lines_resumes_after_a_cut_and_exits_1_on_a_refusal() -> None:
+def test_the_command_prints_json_lines_resumes_after_a_cut_and_exits_64_on_a_refusal() -> None:
     answers: list[Stream | Refuse] = [
         Stream([frame(1), frame(2, "released")], end="cut"),
         Stream([frame(3)]),
@@ -386,7 +386,7 @@ def test_the_command_prints_json_lines_resumes_after_a_cut_and_exits_1_on_a_refu
     with StandIn(answers) as stand_in:
         watcher = helix_watch(stand_in.url, "--org", "acme", "--last-event-id", "0")
         out, err = watcher.communicate(timeout=30)
-    assert watcher.returncode == 1, err
+    assert watcher.returncode == 64, err
     assert [json.loads(line)["id"] for line in out.splitlines()] == ["1", "2", "3"]
     assert json.loads(out.splitlines()[1]) == {
         "id": "2",

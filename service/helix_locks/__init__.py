@@ -22,6 +22,7 @@ from helix_locks.client import (
     LockHeld,
     LockLost,
     MaxHoldersMismatch,
+    NotHelixLocks,
     SyncLease,
     Unavailable,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "LockHeld",
     "LockLost",
     "MaxHoldersMismatch",
+    "NotHelixLocks",
     "SyncLease",
     "Unavailable",
 ]

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import FrameType
 
 from helix_locks import runner
-from helix_locks.client import ApiError, HelixError, InvalidURL, LockClient, LockHeld, LockLost
+from helix_locks.client import HelixError, InvalidURL, LockClient, LockHeld, LockLost
 
 # What the server's commands import that a worker's install lacks.
 SERVER_MODULES = {
@@ -121,12 +121,9 @@ def client_command(args: argparse.Namespace) -> int:
         except LockLost as exc:
             print(f"helix-locks: the lock is not yours (any more): {exc}", file=sys.stderr)
             return runner.EXIT_LOST
-        except ApiError as exc:
-            print(f"helix-locks: {exc}", file=sys.stderr)
-            return 1
         except HelixError as exc:
             print(f"helix-locks: {exc}", file=sys.stderr)
-            return runner.EXIT_UNAVAILABLE
+            return runner.exit_status(exc)
     return 0
 
 
@@ -142,12 +139,9 @@ def watch_command(args: argparse.Namespace) -> int:
             # The reader went away (`| head -n 1`): end quietly, with the status SIGPIPE would give.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 128 + signal.SIGPIPE
-        except ApiError as exc:
-            print(f"helix-locks watch: {exc}", file=sys.stderr)
-            return 1
         except HelixError as exc:
             print(f"helix-locks watch: {exc}", file=sys.stderr)
-            return runner.EXIT_UNAVAILABLE
+            return runner.exit_status(exc)
     return 0
 
 
@@ -264,8 +258,10 @@ def parser() -> argparse.ArgumentParser:
         "HELIX_LOCKS_SLOT. "
         f"Exit status: COMMAND's (128+N if signal N ended it); {runner.EXIT_HELD} if the lock is held "
         f"elsewhere (every slot, with --max-holders); {runner.EXIT_LOST} if the lock was lost and "
-        f"COMMAND stopped; {runner.EXIT_UNAVAILABLE} if the service could not be reached or refused "
-        "the acquire (such as a --max-holders other than the one the key's holders share).",
+        f"COMMAND stopped; {runner.EXIT_REFUSED} if the service refused the acquire as asked (such as "
+        "an invalid --org, a bad key, or a --max-holders other than the one the key's holders share) "
+        f"or --url is not the service's; {runner.EXIT_UNAVAILABLE} if the service could not be reached "
+        "or could not serve the acquire.",
     )
     lock_options(run_cmd, "lease in seconds, renewed every ttl/3 (default 30)")
     client_options(run_cmd)
@@ -322,7 +318,8 @@ def parser() -> argparse.ArgumentParser:
         help="print lock events as JSON lines, resuming after a cut",
         description="Print each event of GET /v1/events as one JSON line (its data, with its id), "
         "resuming after a cut connection without missing or repeating one. Exit status: 0 when "
-        "stopped by Ctrl-C or SIGTERM; 1 on a refusal (401, 403, 410 events-expired); "
+        f"stopped by Ctrl-C or SIGTERM; {runner.EXIT_REFUSED} on a refusal (401, 403, 410 "
+        "events-expired, 422) or a --url that is not the service's; "
         f"{runner.EXIT_UNAVAILABLE} if the service could not be reached for 60 s (a refused first "
         "connection at once); 141 when the reader of standard output went away.",
     )

@@ -47,7 +47,14 @@ WATCH_READ_SECONDS = 45.0
 # watchers (429, 503), the database out of reach (503), a proxy's 502 or 504 while a replica
 # restarts. Any other refusal ends it.
 WATCH_RETRIED = (429, 502, 503, 504)
-MISMATCH = "urn:helix-locks:problem:max-holders-mismatch"
+URN = "urn:helix-locks:problem:"
+MISMATCH = f"{URN}max-holders-mismatch"
+# What the service answers to a path it has no route for, or a method it does not take there:
+# not something the SDK ever asks for, so the URL is not the service's root.
+NO_ROUTE = (f"{URN}http-404", f"{URN}http-405")
+# Statuses that another server (or a wrong path) answers to the SDK's requests: unless a problem
+# of the service's own explains them (lock-not-found), the URL is not a Helix Locks service's.
+NOT_HERE = (404, 405, 501)
 
 
 class HelixError(Exception):
@@ -55,12 +62,29 @@ class HelixError(Exception):
 
 
 class ApiError(HelixError):
-    """The service answered with a problem the SDK does not turn into something more specific."""
+    """The service answered with a problem the SDK does not turn into something more specific.
 
-    def __init__(self, status: int, problem: Mapping[str, Any]) -> None:
-        super().__init__(f"{status}: {problem.get('detail') or problem.get('title') or 'error'}")
+    Its message is the problem's detail, then each entry of its `errors` (a refused field and
+    the rule it broke) on a line of its own."""
+
+    def __init__(self, status: int, problem: Mapping[str, Any], message: str | None = None) -> None:
+        super().__init__(message or _describe(status, problem))
         self.status = status
         self.problem = dict(problem)
+
+
+class NotHelixLocks(ApiError):
+    """The URL does not look like a Helix Locks service's: a request of the API found no route
+    there (a path under the root, such as .../v1), or another server answered it."""
+
+
+def _describe(status: int, problem: Mapping[str, Any]) -> str:
+    said = f"{status}: {problem.get('detail') or problem.get('title') or 'error'}"
+    errors = problem.get("errors")
+    for error in errors if isinstance(errors, list) else []:
+        if isinstance(error, Mapping):
+            said += f"\n  {error.get('field', '?')}: {error.get('message', '?')}"
+    return said
 
 
 class Unavailable(HelixError):
@@ -162,11 +186,42 @@ def _problem(response: httpx.Response) -> dict[str, Any]:
     return body if isinstance(body, dict) else {"detail": str(body)}
 
 
-def _raise_for(response: httpx.Response, holding: bool) -> None:
+def _not_helix_locks(base_url: str, response: httpx.Response, problem: Mapping[str, Any]) -> NotHelixLocks:
+    request, url = response.request, httpx.URL(base_url)
+    root = f"{url.scheme}://{url.netloc.decode()}"
+    hint = f" (give the service's root URL, such as {root})" if url.path not in ("", "/") else ""
+    answered = f"{response.status_code} {response.reason_phrase}".strip()
+    return NotHelixLocks(
+        response.status_code,
+        problem,
+        f"{base_url} does not look like a Helix Locks service: {request.method} {request.url.path}"
+        f" answered {answered}{hint}",
+    )
+
+
+def _not_here(response: httpx.Response, problem: Mapping[str, Any]) -> bool:
+    """Whether an answer says that the URL is not the service's: a 404, 405 or 501 that no
+    problem of the service's own explains."""
+    kind = problem.get("type")
+    return response.status_code in NOT_HERE and (not str(kind).startswith(URN) or kind in NO_ROUTE)
+
+
+def _api_error(response: httpx.Response, base_url: str) -> ApiError:
+    """A refusal the SDK gives no meaning of its own (a watch's): NotHelixLocks, or ApiError."""
+    problem = _problem(response)
+    if _not_here(response, problem):
+        return _not_helix_locks(base_url, response, problem)
+    return ApiError(response.status_code, problem)
+
+
+def _raise_for(response: httpx.Response, holding: bool, base_url: str) -> None:
     """Problems as exceptions; `holding`: the request acts on a lock we hold (renew, release)."""
     if response.status_code < 400:
         return
     problem = _problem(response)
+    if _not_here(response, problem):
+        # Before the 404 of a held lock: a lease is not lost to an answer of another server.
+        raise _not_helix_locks(base_url, response, problem)
     if response.status_code == 409 and problem.get("type") == MISMATCH:
         raise MaxHoldersMismatch(problem)
     if response.status_code == 409:
@@ -529,7 +584,7 @@ class _Core:
                 if error is not None:
                     raise Unavailable(str(error)) from error
                 assert response is not None
-                _raise_for(response, holding)
+                _raise_for(response, holding, self.base_url)
                 return response
             pause = _backoff(attempt, response)
             if time.monotonic() + pause > (refused_deadline if _nothing_there(error) else deadline):
@@ -624,7 +679,7 @@ class _Core:
         try:
             return (yield from self._get("/v1/locks/current", params))
         except ApiError as exc:
-            if exc.status == 404:  # none is held
+            if exc.status == 404 and not isinstance(exc, NotHelixLocks):  # none is held
                 return None
             raise
 
@@ -655,7 +710,11 @@ class _Core:
             if response is not None and response.status_code == 200:
                 kind = response.headers.get("content-type", "")
                 if not kind.startswith("text/event-stream"):
-                    raise ApiError(200, {"detail": f"{self.base_url}/v1/events answered {kind or 'no'} type"})
+                    said = (
+                        f"{self.base_url} does not look like a Helix Locks service: GET /v1/events"
+                        f" answered {kind or 'no'} type, not text/event-stream"
+                    )
+                    raise NotHelixLocks(200, {"detail": said}, said)
                 decoder = EventDecoder(resume)
                 while isinstance(line := (yield _ReadLine()), str):
                     # Anything heard, a keep-alive included, says the service is there again.
@@ -665,7 +724,7 @@ class _Core:
                 resume, retry = decoder.last_event_id, decoder.retry or retry
                 error = line if isinstance(line, httpx.TransportError) else None
             elif response is not None and response.status_code not in WATCH_RETRIED:
-                raise ApiError(response.status_code, _problem(response))
+                raise _api_error(response, self.base_url)
             pause = max(_backoff(attempt, response), retry)
             gave_up_at = since + (limit if heard or not _nothing_there(error) else REFUSED_WITHIN_SECONDS)
             if time.monotonic() + pause > gave_up_at:

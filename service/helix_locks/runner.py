@@ -3,8 +3,10 @@
 The command runs in a process group of its own, so that stopping it stops everything it started
 (a shell wrapper's children included). Exit statuses: the command's own, or 128+N if signal N
 ended it; EXIT_HELD when another holder has the lock (every slot, for a semaphore); EXIT_LOST
-when the lock was lost and the command stopped; EXIT_UNAVAILABLE when the service could not be
-reached to acquire, or refused it (a max_holders other than the held locks', among others).
+when the lock was lost and the command stopped; EXIT_REFUSED when the service refused the acquire
+as it was asked (an invalid organization id, a bad key, a max_holders other than the held
+locks') or the URL is not the service's; EXIT_UNAVAILABLE when the service could not be reached
+to acquire, or could not serve it (503 until the retries ran out, 429, 500).
 """
 
 from __future__ import annotations
@@ -18,14 +20,30 @@ import threading
 import time
 from types import FrameType
 
-from helix_locks.client import HelixError, Lease, LockClient, LockHeld, LockLost
+from helix_locks.client import ApiError, HelixError, Lease, LockClient, LockHeld, LockLost, NotHelixLocks
 
-EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE
+EXIT_REFUSED = 64  # EX_USAGE: the request, as made, was refused; asking again will not help
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the service could not be reached or could not serve
 EXIT_HELD = 75  # EX_TEMPFAIL: try again later
 EXIT_LOST = 76  # the lock was lost while the command ran; the command was stopped
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 POLL_SECONDS = 0.05
 API_KEY_VARIABLE = "HELIX_LOCKS_API_KEY"
+
+
+def exit_status(error: HelixError) -> int:
+    """The status a client command exits with for an error: EXIT_HELD, EXIT_LOST, EXIT_REFUSED
+    for a refusal that trying again will not cure (a 4xx, but 429's "too many", or a URL that is
+    not the service's), EXIT_UNAVAILABLE for the rest, which a wrapper may retry."""
+    if isinstance(error, LockHeld):
+        return EXIT_HELD
+    if isinstance(error, LockLost):
+        return EXIT_LOST
+    if isinstance(error, NotHelixLocks):
+        return EXIT_REFUSED
+    if isinstance(error, ApiError) and 400 <= error.status < 500 and error.status != 429:
+        return EXIT_REFUSED
+    return EXIT_UNAVAILABLE
 
 
 def say(message: str) -> None:
@@ -111,7 +129,7 @@ def _run(
         return EXIT_HELD
     except HelixError as exc:
         say(f"could not acquire: {exc}")
-        return EXIT_UNAVAILABLE
+        return exit_status(exc)
     # From here a signal is kept, then forwarded once the command's group exists: never lost,
     # never ending `run` while a command it started runs unwatched.
     pending: list[int] = []
