@@ -1,15 +1,19 @@
-"""The command line: protected mode, and `migrate` reaching the database as `serve` does."""
+"""The command line: protected mode, `migrate` reaching the database as `serve` does, and what
+`serve` says at startup of where to look."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
+import httpx
 import psycopg
+import pytest
 
 from helix_locks.server import migrate
 from helix_locks.server.commands import is_loopback
-from tests.support import ROOT, helix_command
+from tests.support import ROOT, helix_command, running_service
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -62,3 +66,21 @@ def test_three_migrate_processes_at_once_apply_each_migration_exactly_once(empty
             "SELECT count(*), count(DISTINCT name) FROM helix_schema_migrations"
         ).fetchone()
     assert recorded == (len(applied), len(applied))
+
+
+def test_serve_names_the_console_and_the_docs_at_startup(db_url: str, tmp_path: Path) -> None:
+    log = tmp_path / "s.log"
+    with running_service(env={"DATABASE_URL": db_url}, log=log) as (url, _):
+        said = log.read_text()
+        assert f"the console: {url}/console; the API's reference: {url}/docs" in said, said
+        assert "the database: DATABASE_URL" in said, said
+        page = httpx.get(f"{url}/", follow_redirects=True, timeout=10)
+        assert page.status_code == 200 and page.url.path == "/console", "the root leads to the console"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the embedded PostgreSQL runs as its own OS user, made by root")
+def test_serve_on_the_embedded_database_names_where_it_keeps_its_data(tmp_path: Path) -> None:
+    data_dir, log = tmp_path / "data", tmp_path / "s.log"
+    with running_service("--data-dir", str(data_dir), env={"DATABASE_URL": None}, log=log):
+        said = log.read_text()
+    assert f"the embedded PostgreSQL keeps its data in {data_dir / 'pgdata'}" in said, said

@@ -253,6 +253,17 @@ async def test_the_page_is_served_with_a_strict_policy_and_no_key(client: httpx.
 
 
 @pytest.mark.anyio
+async def test_the_service_s_root_leads_to_the_console(client: httpx.AsyncClient) -> None:
+    """Not a JSON 404 to whoever opens the service's address in a browser."""
+    for method in ("GET", "HEAD"):
+        root = await client.request(method, "/")
+        assert (root.status_code, root.headers.get("location")) == (307, "/console"), (method, root)
+    unknown = await client.get("/?org=acme")  # the root declares no query parameter either
+    assert unknown.status_code == 422 and unknown.json()["errors"][0]["field"] == "org", unknown.text
+    assert "/" not in (await client.get("/openapi.json")).json()["paths"]
+
+
+@pytest.mark.anyio
 async def test_head_of_the_page_is_its_get_without_the_body(db_url: str) -> None:
     """HEAD /console: 200 and the GET's headers (its Content-Length included), and the app sends
     no body at all, whatever the server would do with one."""

@@ -55,6 +55,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     loopback = is_loopback(args.host)
+    data = embedded.pgdata(args.data_dir)  # before DATABASE_URL is set below, for the workers
     with embedded.database_url(args.data_dir) as url:
         direct = embedded.session_url(url)
         applied = migrate.migrate(direct)
@@ -84,6 +85,7 @@ def serve(args: argparse.Namespace) -> int:
         os.environ["HELIX_LOCKS_ANONYMOUS_ANY_HOST"] = str(args.insecure and not loopback).lower()
         settings = Settings()  # type: ignore[call-arg]  # from the environment, as the workers read it
         EdgeSettings()  # a bad bound is said now, not by every worker
+        _say_where(args, data)
         with _metrics_directory(args.workers):
             uvicorn.run(
                 "helix_locks.server.app:create_app",
@@ -101,6 +103,18 @@ def serve(args: argparse.Namespace) -> int:
                 timeout_graceful_shutdown=settings.shutdown_timeout_seconds,
             )
     return 0
+
+
+def _say_where(args: argparse.Namespace, data: Path | None) -> None:
+    """Where to look: the console and the API's reference, and the embedded database's data
+    (which a backup, or a fresh start, needs to find)."""
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    root = f"http://{host}:{args.port}"
+    logger.info("the console: %s/console; the API's reference: %s/docs", root, root)
+    if data is None:
+        logger.info("the database: DATABASE_URL (no embedded PostgreSQL)")
+    else:
+        logger.info("the embedded PostgreSQL keeps its data in %s", data)
 
 
 @contextmanager

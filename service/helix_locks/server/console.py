@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import RedirectResponse, Response
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -67,8 +67,8 @@ class _ConsoleHeaders:
 
 
 def mount(app: FastAPI) -> None:
-    """Serve the console at /console and its files under /console/assets, outside the API's
-    document."""
+    """Serve the console at /console and its files under /console/assets, and lead the service's
+    root there, all outside the API's document."""
     page = (ASSETS / "index.html").read_bytes()
     app.mount("/console/assets", _Assets(directory=ASSETS), name="console-assets")
     app.add_middleware(_ConsoleHeaders)
@@ -79,3 +79,9 @@ def mount(app: FastAPI) -> None:
         if request.method == "HEAD":
             return Response(headers={"Content-Length": str(len(page))}, media_type=MEDIA_TYPE)
         return Response(page, media_type=MEDIA_TYPE)
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def root() -> RedirectResponse:
+        """Whoever opens the service's address in a browser finds the console, not a 404; 307
+        keeps the method, so a HEAD stays one."""
+        return RedirectResponse("/console", status_code=307)

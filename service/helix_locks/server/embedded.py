@@ -100,12 +100,20 @@ def _private(url: str, socket_dir: Path | None, pgdata: Path) -> str:
     return make_conninfo(url, requirepeer=user)
 
 
+def pgdata(data_dir: Path | None) -> Path | None:
+    """Where the embedded server keeps its data (under data_dir, or the user's data directory);
+    None when DATABASE_URL is set, and no embedded server runs."""
+    if os.environ.get("DATABASE_URL"):
+        return None
+    return (data_dir or default_data_dir()).expanduser().resolve() / "pgdata"
+
+
 @contextmanager
 def database_url(data_dir: Path | None) -> Iterator[str]:
     """DATABASE_URL if set; else the embedded server whose data lives in data_dir."""
-    url = os.environ.get("DATABASE_URL")
-    if url:
-        yield url
+    where = pgdata(data_dir)
+    if where is None:
+        yield os.environ["DATABASE_URL"]
         return
-    with server((data_dir or default_data_dir()).expanduser().resolve() / "pgdata") as url:
+    with server(where) as url:
         yield url
