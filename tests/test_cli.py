@@ -1,10 +1,14 @@
 """The command line: protected mode, `migrate` reaching the database as `serve` does, and what
-`serve` says at startup of where to look."""
+`serve` says at startup of where to look, and --help and --version, with the server installed or
+not."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -84,3 +88,49 @@ def test_serve_on_the_embedded_database_names_where_it_keeps_its_data(tmp_path: 
     with running_service("--data-dir", str(data_dir), env={"DATABASE_URL": None}, log=log):
         said = log.read_text()
     assert f"the embedded PostgreSQL keeps its data in {data_dir / 'pgdata'}" in said, said
+
+
+def test_help_lists_the_client_commands_and_then_the_server_s_apart() -> None:
+    result = run("--help")
+    assert result.returncode == 0, result.stderr
+    client, _, server = result.stdout.partition(
+        "server commands (they need the server extra, installed here):"
+    )
+    assert server, result.stdout
+    listed = [found[1] for line in client.splitlines() if (found := re.match(r"    (\w+)", line))]
+    assert listed == ["run", "acquire", "renew", "release", "current", "list", "watch"], result.stdout
+    assert [line.split()[0] for line in server.splitlines() if line.strip()] == ["serve", "migrate", "keys"]
+
+
+# Makes the server's modules unfindable, as in a worker's install, then runs the command line.
+WITHOUT_THE_SERVER = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {'fastapi', 'uvicorn', 'psycopg'}:
+            raise ModuleNotFoundError(f'No module named {name!r}', name=name)
+sys.meta_path.insert(0, Block())
+from helix_locks.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_without_the_server_help_and_its_commands_say_how_to_install_it_from_a_clone() -> None:
+    def without(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-c", WITHOUT_THE_SERVER, *args]
+        return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    install = "pip install '.[server]' in a clone of the repository"
+    helped = without("--help")
+    assert helped.returncode == 0, helped.stderr
+    assert "server commands (they need the server extra, which is not installed here):" in helped.stdout
+    assert install in helped.stdout, helped.stdout
+    served = without("serve")
+    assert served.returncode == 2
+    assert served.stderr == f"helix-locks serve: the server is not installed here: {install}\n"
+
+
+def test_version_prints_the_installed_distribution_s() -> None:
+    result = run("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"helix-locks {importlib.metadata.version('helix-locks')}\n"

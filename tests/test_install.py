@@ -65,7 +65,7 @@ def test_a_worker_install_says_what_to_install_for_the_server(worker_venv: Path)
             [worker_venv / "bin/helix-locks", *command], capture_output=True, text=True, timeout=60
         )
         assert result.returncode == 2
-        assert result.stderr.count("\n") == 1 and "pip install 'helix-locks[server]'" in result.stderr, result
+        assert result.stderr.count("\n") == 1 and "pip install '.[server]'" in result.stderr, result
         assert "Traceback" not in result.stderr
 
 

@@ -5,13 +5,16 @@ for them."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from helix_locks import runner
 from helix_locks.client import HelixError, InvalidURL, LockClient, LockHeld, LockLost
@@ -32,6 +35,66 @@ SERVER_MODULES = {
 }
 # --token-file's name for standard input.
 STDIN = "-"
+# What installs the server: nothing is published on PyPI, so from a clone of the repository.
+INSTALL_SERVER = "pip install '.[server]' in a clone of the repository"
+# The server's commands, listed apart from the client's in --help: (name, what it does).
+SERVER_COMMANDS = (
+    ("serve", "run the HTTP service"),
+    ("migrate", "apply pending migrations"),
+    ("keys", "create, list and revoke API keys"),
+)
+
+
+def _server_missing() -> str | None:
+    """The first module the server's commands need that cannot be found here, or None. Found,
+    not imported: --help stays quick."""
+    for name in sorted(SERVER_MODULES):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return name
+    return None
+
+
+def _server_commands_help() -> str:
+    """The server's commands, for --help: apart from the client's, and whether they can run here."""
+    missing = _server_missing()
+    listed = [f"    {name:<9} {what}" for name, what in SERVER_COMMANDS]
+    if missing is None:
+        return "\n".join(["server commands (they need the server extra, installed here):", *listed])
+    return "\n".join(
+        [
+            "server commands (they need the server extra, which is not installed here):",
+            *listed,
+            f"  To install it ({missing} is missing): {INSTALL_SERVER}.",
+        ]
+    )
+
+
+class _Parser(argparse.ArgumentParser):
+    """The root parser, whose --help lists the server's commands after the client's, checking
+    for the server only then."""
+
+    def format_help(self) -> str:
+        self.epilog = _server_commands_help()
+        return super().format_help()
+
+
+class _Version(argparse.Action):
+    """--version: the installed distribution's, looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        try:
+            version = importlib.metadata.version("helix-locks")
+        except importlib.metadata.PackageNotFoundError:
+            version = "unknown (helix_locks is not installed as a distribution)"
+        print(f"helix-locks {version}")
+        parser.exit()
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
@@ -164,10 +227,18 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(
-        prog="helix-locks", description="Helix Locks: a lock authority for workers."
+    root = _Parser(
+        prog="helix-locks",
+        description="Helix Locks: a lock authority for workers.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the epilog's list, as written
     )
-    commands = root.add_subparsers(dest="command", required=True)
+    root.add_argument("--version", action=_Version, help="print the version and exit")
+    # Only the client's commands are listed here (the server's have no help=): _Parser lists the
+    # server's after them, saying whether they can run here.
+    commands = root.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", title="client commands (they need the SDK alone)"
+    )
+    server_help = dict(SERVER_COMMANDS)
 
     def data_dir_option(command: argparse.ArgumentParser) -> None:
         command.add_argument(
@@ -178,7 +249,7 @@ def parser() -> argparse.ArgumentParser:
             "(default: the user's data directory, such as ~/.local/share/helix-locks)",
         )
 
-    serve_cmd = commands.add_parser("serve", help="run the HTTP service")
+    serve_cmd = commands.add_parser("serve", description=server_help["serve"])
     serve_cmd.add_argument("--host", default="127.0.0.1")
     serve_cmd.add_argument("--port", type=int, default=8080)
     serve_cmd.add_argument("--workers", type=int, default=1, help="worker processes")
@@ -186,11 +257,11 @@ def parser() -> argparse.ArgumentParser:
     data_dir_option(serve_cmd)
     serve_cmd.set_defaults(handler=_server("serve"))
 
-    migrate_cmd = commands.add_parser("migrate", help="apply pending migrations")
+    migrate_cmd = commands.add_parser("migrate", description=server_help["migrate"])
     data_dir_option(migrate_cmd)
     migrate_cmd.set_defaults(handler=_server("run_migrate"))
 
-    keys_cmd = commands.add_parser("keys", help="create, list and revoke API keys")
+    keys_cmd = commands.add_parser("keys", description=server_help["keys"])
     keys_commands = keys_cmd.add_subparsers(dest="keys_command", required=True)
     create_cmd = keys_commands.add_parser("create", help="create a key and print it, once")
     scope = create_cmd.add_mutually_exclusive_group(required=True)
@@ -351,8 +422,7 @@ def _server(name: str) -> Callable[[argparse.Namespace], int]:
             if (exc.name or "").split(".")[0] not in SERVER_MODULES:
                 raise
             print(
-                f"helix-locks {args.command}: the server is not installed here: "
-                "pip install 'helix-locks[server]'",
+                f"helix-locks {args.command}: the server is not installed here: {INSTALL_SERVER}",
                 file=sys.stderr,
             )
             return 2

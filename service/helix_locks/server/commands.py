@@ -1,5 +1,5 @@
 """The server's commands of `helix-locks`: serve, migrate and keys. They need the `server` extra
-(pip install 'helix-locks[server]'); cli.py loads this module only for them."""
+(pip install '.[server]' in a clone of the repository); cli.py loads this module only for them."""
 
 from __future__ import annotations
 
