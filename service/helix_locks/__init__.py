@@ -24,18 +24,26 @@ from helix_locks.client import (
     SyncLease,
     Unavailable,
 )
+from helix_locks.results import Acquired, Lock, LockEvent, LockState, Page, Reclaimed, Renewed
 
 __all__ = [
+    "Acquired",
     "ApiError",
     "AsyncLease",
     "AsyncLockClient",
     "Grant",
     "HelixError",
     "Lease",
+    "Lock",
     "LockClient",
+    "LockEvent",
     "LockHeld",
     "LockLost",
+    "LockState",
     "MaxHoldersMismatch",
+    "Page",
+    "Reclaimed",
+    "Renewed",
     "SyncLease",
     "Unavailable",
 ]
