@@ -1,0 +1,28 @@
+// How times and metadata read on the page: durations, UTC clock times, metadata as JSON text.
+
+export function duration(ms) {
+  if (!Number.isFinite(ms)) return '';
+  const seconds = Math.max(0, Math.floor(ms / 1000));
+  if (seconds < 60) return `${seconds} s`;
+  const minutes = Math.floor(seconds / 60);
+  if (minutes < 60) return `${minutes} min ${String(seconds % 60).padStart(2, '0')} s`;
+  const hours = Math.floor(minutes / 60);
+  if (hours < 48) return `${hours} h ${String(minutes % 60).padStart(2, '0')} min`;
+  return `${Math.floor(hours / 24)} d ${hours % 24} h`;
+}
+
+export function utc(ms, withDate) {
+  const iso = new Date(ms).toISOString();
+  return withDate ? `${iso.slice(5, 10)} ${iso.slice(11, 16)}` : iso.slice(11, 16);
+}
+
+// Each lock's metadata as text, made once per lock object: sorting must not stringify every lock.
+const metadataTexts = new WeakMap(); // a cache private to this module
+export function metadataText(lock) {
+  let text = metadataTexts.get(lock);
+  if (text === undefined) {
+    text = lock.metadata === null || lock.metadata === undefined ? '' : JSON.stringify(lock.metadata);
+    metadataTexts.set(lock, text);
+  }
+  return text;
+}
