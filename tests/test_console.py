@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -26,7 +27,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from helix_locks.server import keys
 from helix_locks.server.app import create_app
-from helix_locks.server.console import CONTENT_SECURITY_POLICY
+from helix_locks.server.console import ASSETS, CONTENT_SECURITY_POLICY
 from tests.support import ROUTE, needs_chromium, offline_chromium, running_service
 
 HOSTILE = "<img src=x onerror=alert(1)>"
@@ -250,6 +251,38 @@ async def test_the_page_is_served_with_a_strict_policy_and_no_key(client: httpx.
             assert answer.headers["allow"] == "GET, HEAD", (method, path)
     document = (await client.get("/openapi.json")).json()
     assert not [path for path in document["paths"] if path.startswith("/console")]
+
+
+@pytest.mark.anyio
+async def test_every_module_of_the_page_is_served_as_javascript_under_the_policy(
+    client: httpx.AsyncClient,
+) -> None:
+    """The page loads one module, which imports the rest: each file it reaches, and every .js file
+    in the package, comes as JavaScript with the page's headers, and none makes HTML from text."""
+    page = (await client.get("/console")).text
+    assert '<script type="module" src="/console/assets/console.js"></script>' in page
+    shipped = {path.name for path in ASSETS.glob("*.js")}
+    reached: set[str] = set()
+    waiting = ["console.js"]
+    while waiting:
+        name = waiting.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        answer = await client.get(f"/console/assets/{name}")
+        assert answer.status_code == 200, name
+        assert answer.headers["content-type"] == "text/javascript; charset=utf-8", name
+        assert answer.headers["content-security-policy"] == EXACT_POLICY, name
+        assert answer.headers["x-content-type-options"] == "nosniff", name
+        assert answer.headers["cache-control"] == "no-cache", name
+        assert "etag" in answer.headers, name  # so that no-cache costs a 304, not the file again
+        again = await client.get(f"/console/assets/{name}", headers={"If-None-Match": answer.headers["etag"]})
+        assert again.status_code == 304, name
+        script = answer.text
+        assert "innerHTML" not in script and "insertAdjacentHTML" not in script and "eval(" not in script
+        assert script.startswith("// "), f"{name} opens with a comment on its job"
+        waiting += re.findall(r"^import .* from '\./([\w-]+\.js)';$", script, re.MULTILINE)
+    assert reached == shipped, (reached, shipped)
 
 
 @pytest.mark.anyio
