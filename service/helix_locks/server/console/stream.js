@@ -5,10 +5,12 @@ import { Refused, call, problemText } from './api.js';
 import { $, sleep } from './dom.js';
 import { checkMetrics, loadLive } from './loading.js';
 import { remember, state } from './state.js';
+import { EventStreamDecoder } from './sse.js';
 import { scheduleRender } from './table.js';
 import { scheduleTimeline } from './timeline.js';
 
 const POLL_MS = 5000;
+const RETRY_MS = 1000; // the wait before resuming a cut stream, unless the server sent retry:
 const ENDED = new Set(['released', 'forced', 'reclaimed']);
 
 // Reads GET /v1/events with fetch (EventSource cannot send Authorization) until signed out.
@@ -20,6 +22,7 @@ export function watch(gen) {
   });
   (async () => {
     let failures = 0;
+    let retryMs = RETRY_MS; // a stream's retry: holds for the streams after it too
     while (gen === state.generation) {
       const controller = new AbortController();
       state.streamAbort = controller;
@@ -48,8 +51,9 @@ export function watch(gen) {
         await sleep(failures > 3 ? 30000 : POLL_MS);
         continue;
       }
+      const decoder = new EventStreamDecoder(resumeFrom);
       try {
-        await readStream(response.body, gen, () => {
+        await readStream(response.body, gen, decoder, () => {
           failures = 0;
           const polling = state.pollTimer !== null;
           stopPolling();
@@ -68,7 +72,8 @@ export function watch(gen) {
       }
       if (gen !== state.generation) return;
       setStreamState('The event stream was cut: resuming…');
-      await sleep(1000);
+      if (decoder.retry !== null) retryMs = decoder.retry;
+      await sleep(retryMs);
     }
   })();
   return joined;
@@ -83,13 +88,11 @@ function setStreamState(text) {
   $('stream-state').textContent = text;
 }
 
-// Server-Sent Events, parsed by hand: "field: value" lines, an event ends at a blank line, lines
-// starting with ":" are comments (keep-alives).
-async function readStream(body, gen, onJoined) {
-  const reader = body.pipeThrough(new TextDecoderStream()).getReader();
-  let rest = '';
+// Reads the stream's text through the WHATWG decoder (sse.js), which strips the one byte order
+// mark itself (so the text decoder keeps it) and learns the server's reconnection time.
+async function readStream(body, gen, decoder, onJoined) {
+  const reader = body.pipeThrough(new TextDecoderStream('utf-8', { ignoreBOM: true })).getReader();
   let joined = false;
-  let event = { type: '', data: [], id: null };
   for (;;) {
     const { value, done } = await reader.read();
     if (done || gen !== state.generation) return;
@@ -97,30 +100,11 @@ async function readStream(body, gen, onJoined) {
       joined = true;
       onJoined();
     }
-    let text = rest + value;
-    let held = '';
-    if (text.endsWith('\r')) {
-      held = '\r'; // perhaps the first half of a CRLF
-      text = text.slice(0, -1);
+    for (const event of decoder.feed(value)) {
+      state.lastEventId = event.id;
+      dispatch(event.event, event.data);
     }
-    const lines = text.split(/\r\n|\r|\n/);
-    rest = lines.pop() + held;
-    for (const line of lines) {
-      if (line === '') {
-        if (event.id !== null) state.lastEventId = event.id;
-        if (event.data.length) dispatch(event.type || 'message', event.data.join('\n'));
-        event = { type: '', data: [], id: null };
-        continue;
-      }
-      if (line.startsWith(':')) continue;
-      const colon = line.indexOf(':');
-      const field = colon < 0 ? line : line.slice(0, colon);
-      let fieldValue = colon < 0 ? '' : line.slice(colon + 1);
-      if (fieldValue.startsWith(' ')) fieldValue = fieldValue.slice(1);
-      if (field === 'event') event.type = fieldValue;
-      else if (field === 'data') event.data.push(fieldValue);
-      else if (field === 'id' && !fieldValue.includes('\0')) event.id = fieldValue;
-    }
+    state.lastEventId = decoder.lastEventId; // an event without data still moves it
   }
 }
 
