@@ -6,7 +6,7 @@ const { EventStreamDecoder } = await import(new URL('../service/helix_locks/serv
 
 const cases = JSON.parse(readFileSync(0, 'utf8'));
 const results = cases.map((given) => {
-  const decoder = new EventStreamDecoder(given.last_event_id ?? null);
+  const decoder = new EventStreamDecoder();
   const events = [];
   for (const chunk of given.chunks) events.push(...decoder.feed(chunk));
   return { name: given.name, events, last_event_id: decoder.lastEventId, retry: decoder.retry };

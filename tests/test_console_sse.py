@@ -1,5 +1,6 @@
-"""The console's SSE decoder (console/sse.js), run by Node: the page parses the stream as the
-WHATWG standard has it, as the Python and Node clients do."""
+"""The console's SSE decoder (console/sse.js), run by Node on the cases every client shares
+(clients/contract.json, "sse") and on a few of its own: the page parses the stream as the WHATWG
+standard has it, as the Python and Node clients do."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from typing import Any
 
 import pytest
 
+from tests.support import ROOT
+
 NODE = shutil.which("node")
 needs_node = pytest.mark.skipif(NODE is None, reason="needs Node 20 (node)")
 DRIVER = Path(__file__).with_name("sse_cases.mjs")
+CONTRACT = ROOT / "clients" / "contract.json"
 
 
 def decoded(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -24,6 +28,30 @@ def decoded(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     )
     assert done.stderr == "", done.stderr
     return {result["name"]: result for result in json.loads(done.stdout)}
+
+
+@needs_node
+def test_the_consoles_decoder_passes_every_shared_sse_case() -> None:
+    """Each case's chunks, fed in order: the events dispatched ({id, event, data, retry} each), and
+    the retry and last event id once every chunk is read, as clients/contract.json has them."""
+    cases = json.loads(CONTRACT.read_text())["sse"]
+    assert cases, "clients/contract.json has no sse case"
+    results = decoded(cases)
+    failed = []
+    for case in cases:
+        want = {key: case[key] for key in ("events", "retry", "last_event_id")}
+        result = results[case["name"]]
+        got = {
+            "events": [
+                {field: event[field] for field in ("id", "event", "data", "retry")}
+                for event in result["events"]
+            ],
+            "retry": result["retry"],
+            "last_event_id": result["last_event_id"],
+        }
+        if got != want:
+            failed.append((case["name"], got, want))
+    assert failed == [], failed
 
 
 @needs_node

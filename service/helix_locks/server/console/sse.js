@@ -1,5 +1,6 @@
 // Server-Sent Events as the WHATWG HTML standard parses them, without I/O: text in, events out.
-// It knows nothing of the page, so that Node runs it on the clients' shared cases (tests/sse_cases.mjs).
+// It knows nothing of the page, so that Node runs it on the cases every client shares
+// (clients/contract.json, through tests/sse_cases.mjs).
 //
 // Lines end with CRLF, LF or CR, also when a CRLF is split across chunks; one leading byte order
 // mark is ignored; "retry:" with ASCII digits only sets the reconnection time. An id counts once its
@@ -25,6 +26,7 @@ export class EventStreamDecoder {
       this.first = false;
       if (text.startsWith('\ufeff')) text = text.slice(1);
     }
+    if (text === '') return []; // bytes that decoded to nothing yet: a CR before them still waits
     if (this.skipLineFeed && text.startsWith('\n')) text = text.slice(1);
     this.skipLineFeed = false;
     const events = [];
