@@ -762,3 +762,74 @@ def test_a_busy_week_is_read_in_bounded_pages_and_drawn_quickly(
         assert known < 100, known
         assert browser.execute_script("return document.activeElement.id") == "filter"
         assert errors(browser) == []
+
+
+def lines_of(browser: Chrome, selector: str, text: str) -> int:
+    """How many lines `text` takes inside the first element the selector finds, as laid out: the
+    distinct tops of its characters' boxes (0 when the text is not there)."""
+    lines: int = browser.execute_script(
+        "const root = document.querySelector(arguments[0]), text = arguments[1];"
+        "const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT), nodes = [];"
+        "let whole = '';"
+        "for (let node; (node = walker.nextNode()); whole += node.data) nodes.push([node, whole.length]);"
+        "const at = whole.indexOf(text);"
+        "if (at < 0) return 0;"
+        "const tops = new Set(), range = document.createRange();"
+        "for (let i = at; i < at + text.length; i++) {"
+        "  const [node, from] = nodes.filter(([, from]) => from <= i).pop();"
+        "  range.setStart(node, i - from); range.setEnd(node, i - from + 1);"
+        "  const box = range.getBoundingClientRect();"
+        "  if (box.width > 0) tops.add(Math.round(box.top)); }"
+        "return tops.size",
+        selector,
+        text,
+    )
+    return lines
+
+
+def at_widths(browser: Chrome, check: Any, artifacts: Path, name: str, shown: str = "#locks") -> None:
+    """Run check(browser) at 1280 and at 390 px wide, with a screenshot of each, `shown` in view."""
+    try:
+        for width in (1280, 390):
+            browser.set_window_size(width, 800)
+            time.sleep(0.3)
+            browser.execute_script("document.querySelector(arguments[0]).scrollIntoView()", shown)
+            check(browser)
+            browser.save_screenshot(str(artifacts / f"{name}-{width}.png"))
+    finally:
+        browser.set_window_size(1280, 800)
+
+
+@needs_chromium
+def test_a_viewer_who_cannot_force_sees_no_action_column_and_one_note_why(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        acquire(url, "nightly-report", "worker-1")
+        open_console(browser, url)  # anonymous mode: the service refuses force without an admin key
+        wait_for(browser, lambda b: "worker-1" in holders(b))
+        wait_for(browser, lambda b: b.find_element(By.ID, "force-note").is_displayed())
+        note = browser.find_element(By.ID, "force-note")
+
+        def no_action_column(b: Chrome) -> None:
+            heads = [th.text for th in b.find_elements(By.CSS_SELECTOR, "#lock-head th")]
+            assert "Action" not in heads and len(heads) == 9, heads
+            cells = b.execute_script("return document.querySelector('#lock-rows tr').children.length")
+            assert cells == 9, cells
+            assert note.is_displayed() and "needs an admin key" in note.text, note.text
+            said = b.execute_script(
+                "return [...document.querySelectorAll('body *')].filter(e => e.children.length === 0"
+                " && e.offsetParent !== null && e.textContent.includes('needs an admin key')).length"
+            )
+            assert said == 1, said  # said once, not per row
+
+        at_widths(browser, no_action_column, artifacts, "console-anonymous")
+        assert errors(browser) == []
+
+    admin = keys.create(db_url, None)
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s2.log") as (url, _):
+        open_console(browser, url, admin)
+        wait_for(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "button.force"))
+        heads = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#lock-head th")]
+        assert heads[-1] == "Action", heads
+        assert not browser.find_element(By.ID, "force-note").is_displayed()

@@ -4,7 +4,7 @@
 import { Refused, backoff, call, listAll } from './api.js';
 import { $, setStatus } from './dom.js';
 import { HOUR, serverNow, state } from './state.js';
-import { scheduleRender } from './table.js';
+import { scheduleRender, showForce } from './table.js';
 
 // Listings run one after another: a listing asked for while one runs starts when it ends, so that
 // it reads the service after whatever made it wanted (joining the stream, say).
@@ -68,6 +68,7 @@ export async function checkMetrics(gen, failures) {
   // Only an admin key may read /metrics once keys exist, and only an admin key may force; without
   // any key (anonymous mode) /metrics answers but force is refused.
   state.canForce = Boolean(state.apiKey) && text !== null;
+  state.forceKnown = state.forceKnown || refused || text !== null;
   const conflicts = $('conflicts');
   if (refused) {
     conflicts.textContent = 'Conflicts: needs a key that may read /metrics.';
@@ -81,7 +82,7 @@ export async function checkMetrics(gen, failures) {
       `Conflicts (409) since the service started: ${counts.conflict} on plain locks, ` +
       `${counts.full} on full semaphores (from /metrics).`;
   }
-  scheduleRender();
+  showForce();
 }
 
 // Sums helix_locks_acquisitions_total by result over every organization label.

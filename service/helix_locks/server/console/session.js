@@ -101,6 +101,8 @@ export function signOut(message) {
   state.known.clear();
   state.lastEventId = null;
   state.canForce = false;
+  state.forceKnown = false;
+  $('force-note').hidden = true;
   state.renderedRows = [];
   $('lock-rows').replaceChildren();
   $('charts').replaceChildren();

@@ -21,14 +21,27 @@ const COLUMNS = [
   { key: 'ttl', label: 'TTL left', value: (e) => ttlLeft(e) },
   { key: 'age', label: 'Age', value: (e) => -Date.parse(e.lock.acquired_at) },
   { key: 'metadata', label: 'Metadata', value: (e) => metadataText(e.lock) },
-  { key: null, label: 'Action' },
+  { key: null, label: 'Action', force: true },
 ];
+
+// The columns shown: Action only to a viewer who may break locks, who alone has a button in it.
+function columns() {
+  return COLUMNS.filter((column) => !column.force || state.canForce);
+}
+
+// Whether this key may force is known once /metrics has answered: the Action column comes or goes,
+// and a viewer who may not force is told once, above the table, what it takes.
+export function showForce() {
+  $('force-note').hidden = !state.forceKnown || state.canForce;
+  if ($('lock-head').children.length !== columns().length) buildHead();
+  scheduleRender();
+}
 
 export function buildHead() {
   const view = state.view;
   const row = $('lock-head');
   row.replaceChildren();
-  for (const column of COLUMNS) {
+  for (const column of columns()) {
     const th = el('th', { scope: 'col' });
     if (column.key) {
       const sorted = view.sortKey === column.key;
@@ -102,7 +115,7 @@ export function render() {
   body.replaceChildren(...rows);
   if (!rows.length) {
     const text = state.loading ? 'Loading…' : live.size ? 'No live lock matches the filter.' : 'No live locks.';
-    body.append(el('tr', {}, el('td', { colspan: COLUMNS.length, class: 'empty' }, text)));
+    body.append(el('tr', {}, el('td', { colspan: columns().length, class: 'empty' }, text)));
   }
   if (focused) {
     const again = body.querySelector(`[data-focus="${CSS.escape(focused)}"]`);
@@ -127,14 +140,14 @@ function row(entry) {
   const stateCell = el('td', { class: 'state' });
   const ttlCell = el('td', { class: 'number ttl' });
   const ageCell = el('td', { class: 'number age' });
-  const action = el('td', {});
+  const action = [];
   if (state.canForce) {
     const force = el('button', {
       type: 'button', class: 'danger force', 'data-focus': `force-${lock.id}`,
       'aria-label': `Force release lock ${lock.id}`,
     }, 'Force…');
     force.addEventListener('click', () => askForce(lock.id));
-    action.append(force);
+    action.push(el('td', {}, force));
   }
   const tr = el('tr', { 'data-lock-id': lock.id },
     el('td', { class: 'org' }, el('bdi', {}, lock.organization_id)),
@@ -146,7 +159,7 @@ function row(entry) {
     ttlCell,
     ageCell,
     el('td', { class: 'metadata' }, el('code', {}, el('bdi', {}, metadataText(lock)))),
-    action);
+    ...action);
   const rendered = { entry, stateCell, ttlCell, ageCell };
   tick(rendered);
   state.renderedRows.push(rendered);
