@@ -429,7 +429,10 @@ def test_the_timeline_shows_a_reclaim_and_a_forced_release(
         forced = wait_for(browser, lambda b: bar(b, "forced"))
         assert forced["id"] == str(successor["id"]) and "forced" in forced["marks"], forced
         assert f"forced by the admin key {keys.key_id(admin)}" in forced["title"], forced  # who forced it
-        # The view zooms and pans: by its buttons, and by the mouse wheel.
+        # The view zooms and pans: by its buttons, and by the mouse wheel. (The first view fits the
+        # key's ten minutes of locks: the last hour is the viewer's choice.)
+        assert span(browser) < 900
+        click(browser, "button.window[data-window='3600000']")
         assert round(span(browser)) == 3600
         click(browser, "#zoom-in")
         assert round(span(browser)) == 1800
@@ -833,3 +836,54 @@ def test_a_viewer_who_cannot_force_sees_no_action_column_and_one_note_why(
         heads = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#lock-head th")]
         assert heads[-1] == "Action", heads
         assert not browser.find_element(By.ID, "force-note").is_displayed()
+
+
+@needs_chromium
+def test_the_first_view_of_a_timeline_fits_its_data_and_a_chosen_view_stays(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        # A new server: its first lock was acquired 3 minutes ago and is released now; a second follows.
+        first = acquire(url, "nightly-report", "first-worker")
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE helix_job_locks SET acquired_at = clock_timestamp() - interval '3 minutes',"
+                " expires_at = clock_timestamp() + interval '2 minutes' WHERE id = %s",
+                (first["id"],),
+            )
+        released = httpx.delete(f"{url}/v1/locks/{first['id']}", headers={"Lock-Token": first["token"]})
+        assert released.status_code == 204, released.text
+        acquire(url, "nightly-report", "second-worker")
+        open_console(browser, url)
+        wait_for(browser, lambda b: "second-worker" in holders(b))
+        click(browser, "#lock-rows button.key")
+        wait_for(browser, lambda b: bar(b, "released") and bar(b, "held"))
+
+        def spread(b: Chrome) -> float:
+            """The share of the plot's width between the first bar's start and the last one's end."""
+            share: float = b.execute_script(
+                "const svg = document.querySelector('#timeline-chart svg');"
+                "const boxes = [...svg.querySelectorAll('g.lock rect.bar')].map(r => r.getBBox());"
+                "const from = Math.min(...boxes.map(b => b.x));"
+                "const to = Math.max(...boxes.map(b => b.x + b.width));"
+                "return (to - from) / (Number(svg.getAttribute('width')) - 72)"
+            )
+            return share
+
+        def fitted(b: Chrome) -> None:
+            b.execute_script("drawTimeline()")
+            assert spread(b) > 0.5, spread(b)
+            assert 180 < span(b) < 600, span(b)  # from the first lock's start to now, and a margin
+
+        wait_for(browser, lambda b: spread(b) > 0.5)
+        at_widths(browser, fitted, artifacts, "console-timeline-fitted", "#timeline")
+
+        # The viewer's own choice stays, as locks come and the view is drawn again.
+        click(browser, "#zoom-out")
+        chosen = span(browser)
+        acquire(url, "nightly-report", "third-worker", organization_id="other")
+        browser.execute_script("drawTimeline()")
+        assert abs(span(browser) - chosen) < 2, (span(browser), chosen)
+        click(browser, "button.window[data-window='3600000']")
+        assert round(span(browser)) == 3600
+        assert errors(browser) == []

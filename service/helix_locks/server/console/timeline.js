@@ -18,7 +18,8 @@ export function closeTimeline() {
 export function openTimeline(org, job) {
   closeTimeline();
   const now = serverNow();
-  state.timeline = { org, job, windowMs: HOUR, start: now - HOUR, end: now, follow: true };
+  state.timeline = { org, job, windowMs: HOUR, start: now - HOUR, end: now, follow: true, chosen: false };
+  fitView(state.timeline);
   $('timeline').hidden = false;
   $('timeline-heading').replaceChildren('Timeline of ', el('bdi', {}, org), ' / ', el('bdi', {}, job));
   setWindowButtons();
@@ -67,7 +68,28 @@ export async function loadTimeline() {
     target.message = error instanceof Refused ? '' : `The history could not be read: ${error.message}`;
   }
   if (state.timelineAbort === controller) state.timelineAbort = null;
-  if (state.timeline === target) drawTimeline();
+  if (state.timeline !== target) return;
+  if (!target.chosen) fitView(target);
+  drawTimeline();
+}
+
+// Until the viewer picks a view (a window, a zoom, a pan), the view runs from a little before the
+// key's earliest lock in the window to now, and never less than FIT_LEAST_MS: on a new server the
+// last hour would squeeze every bar into its last few pixels.
+const FIT_LEAST_MS = 60 * 1000;
+const FIT_MARGIN = 0.1; // of the span, before the earliest lock
+function fitView(t) {
+  const now = serverNow();
+  let earliest = now;
+  for (const lock of state.known.values()) {
+    if (lock.organization_id !== t.org || lock.job_type !== t.job) continue;
+    const [start, end, gapEnd] = lockSpan(lock, now);
+    if ((gapEnd ?? end) >= now - t.windowMs) earliest = Math.min(earliest, start);
+  }
+  const span = Math.min(t.windowMs, Math.max(FIT_LEAST_MS, (now - earliest) * (1 + FIT_MARGIN)));
+  t.start = now - span;
+  t.end = now;
+  t.follow = true;
 }
 
 let timelinePending = false; // private to this module: a drawing is already scheduled
@@ -302,6 +324,7 @@ function clampView(span) {
 export function zoom(factor, at) {
   if (!state.timeline) return;
   const t = state.timeline;
+  t.chosen = true;
   const center = at ?? (t.start + t.end) / 2;
   const span = (t.end - t.start) * factor;
   t.start = center - (center - t.start) * factor;
@@ -312,6 +335,7 @@ export function zoom(factor, at) {
 export function pan(ms) {
   if (!state.timeline) return;
   const span = state.timeline.end - state.timeline.start;
+  state.timeline.chosen = true;
   state.timeline.start += ms;
   clampView(span);
   drawTimeline();
@@ -326,6 +350,7 @@ export function wireTimeline() {
       if (!t) return;
       const now = serverNow();
       t.windowMs = Number(button.dataset.window);
+      t.chosen = true;
       t.start = now - t.windowMs;
       t.end = now;
       t.follow = true;
