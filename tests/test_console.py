@@ -887,3 +887,30 @@ def test_the_first_view_of_a_timeline_fits_its_data_and_a_chosen_view_stays(
         click(browser, "button.window[data-window='3600000']")
         assert round(span(browser)) == 3600
         assert errors(browser) == []
+
+
+@needs_chromium
+def test_lease_left_reads_in_minutes_and_hours(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        for holder, ttl in (("short", 42), ("minutes", 2967), ("hours", 3930)):
+            acquire(url, "nightly-report", holder, ttl_seconds=ttl, organization_id=holder)
+        open_console(browser, url)
+        wait_for(browser, lambda b: len(holders(b)) == 3)
+
+        def ttl_of(b: Chrome, holder: str) -> str:
+            text: str = b.execute_script(
+                "return [...document.querySelectorAll('#lock-rows tr')]"
+                ".find(row => row.querySelector('td.holder').textContent === arguments[0])"
+                ".querySelector('td.ttl').textContent",
+                holder,
+            )
+            return text
+
+        def readable(b: Chrome) -> None:
+            assert re.fullmatch(r"(3\d|4[0-2]) s", ttl_of(b, "short")), ttl_of(b, "short")
+            assert re.fullmatch(r"49 min [0-2]?\d s", ttl_of(b, "minutes")), ttl_of(b, "minutes")
+            assert ttl_of(b, "hours") == "1 h 5 min", ttl_of(b, "hours")
+
+        at_widths(browser, readable, artifacts, "console-ttl")

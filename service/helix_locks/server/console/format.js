@@ -1,13 +1,15 @@
 // How times and metadata read on the page: durations, UTC clock times, metadata as JSON text.
 
-export function duration(ms) {
+// A span of time in its two largest units: "42 s", "49 min 26 s", "1 h 5 min", "3 d 2 h". A
+// countdown rounds up (roundUp), so that it reads 0 s only once the time is up.
+export function duration(ms, roundUp = false) {
   if (!Number.isFinite(ms)) return '';
-  const seconds = Math.max(0, Math.floor(ms / 1000));
+  const seconds = Math.max(0, roundUp ? Math.ceil(ms / 1000) : Math.floor(ms / 1000));
   if (seconds < 60) return `${seconds} s`;
   const minutes = Math.floor(seconds / 60);
-  if (minutes < 60) return `${minutes} min ${String(seconds % 60).padStart(2, '0')} s`;
+  if (minutes < 60) return `${minutes} min ${seconds % 60} s`;
   const hours = Math.floor(minutes / 60);
-  if (hours < 48) return `${hours} h ${String(minutes % 60).padStart(2, '0')} min`;
+  if (hours < 48) return `${hours} h ${minutes % 60} min`;
   return `${Math.floor(hours / 24)} d ${hours % 24} h`;
 }
 

@@ -170,7 +170,7 @@ function row(entry) {
 function tick(rendered) {
   const entry = rendered.entry;
   const left = ttlLeft(entry);
-  rendered.ttlCell.textContent = left > 0 ? `${(left / 1000).toFixed(1)} s` : '0 s';
+  rendered.ttlCell.textContent = duration(left, true);
   const held = age(entry.lock);
   rendered.ageCell.textContent = duration(held);
   const marks = [];
