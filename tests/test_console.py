@@ -914,3 +914,24 @@ def test_lease_left_reads_in_minutes_and_hours(
             assert ttl_of(b, "hours") == "1 h 5 min", ttl_of(b, "hours")
 
         at_widths(browser, readable, artifacts, "console-ttl")
+
+
+@needs_chromium
+def test_identifiers_never_break_inside(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        lock = acquire(url, "nightly-report", "report-worker-7", metadata={"run": "2026-12-01"})
+        acquire(url, "long-values", "H" * 200, metadata={"k": "v" * 500})  # long ones may still wrap
+        open_console(browser, url)
+        wait_for(browser, lambda b: "report-worker-7" in holders(b))
+        row = f"#lock-rows tr[data-lock-id='{lock['id']}']"
+
+        def unbroken(b: Chrome) -> None:
+            assert lines_of(b, f"{row} button.key", "nightly-report") == 1
+            assert lines_of(b, f"{row} td.holder", "report-worker-7") == 1
+            assert lines_of(b, f"{row} td.org", "acme") == 1
+            widths = b.execute_script("return [document.documentElement.scrollWidth, innerWidth]")
+            assert widths[0] <= widths[1], widths  # the table scrolls in its box, not the page
+
+        at_widths(browser, unbroken, artifacts, "console-identifiers")

@@ -129,10 +129,18 @@ export function render() {
   renderCharts();
 }
 
+// Identifiers never break inside (nightly-report stays whole; the table scrolls sideways in its
+// box instead), but one longer than this many characters may wrap anywhere, so that no value
+// makes the table wider than a few screens.
+const UNBROKEN_MOST = 40;
+function unbroken(value) {
+  return value.length > UNBROKEN_MOST ? ' long' : '';
+}
+
 function row(entry) {
   const lock = entry.lock;
   const keyButton = el('button', {
-    type: 'button', class: 'key',
+    type: 'button', class: `key${unbroken(lock.job_type)}`,
     'data-focus': `key-${lock.id}`,
     title: 'Open the timeline of this organization and job type',
   }, el('bdi', {}, lock.job_type));
@@ -150,9 +158,9 @@ function row(entry) {
     action.push(el('td', {}, force));
   }
   const tr = el('tr', { 'data-lock-id': lock.id },
-    el('td', { class: 'org' }, el('bdi', {}, lock.organization_id)),
+    el('td', { class: `org${unbroken(lock.organization_id)}` }, el('bdi', {}, lock.organization_id)),
     el('td', {}, keyButton),
-    el('td', { class: 'holder' }, el('bdi', {}, lock.holder)),
+    el('td', { class: `holder${unbroken(lock.holder)}` }, el('bdi', {}, lock.holder)),
     stateCell,
     el('td', { class: 'number' }, `${lock.slot} / ${lock.max_holders}`),
     el('td', { class: 'number' }, String(lock.fencing_token)),
