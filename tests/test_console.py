@@ -796,7 +796,9 @@ def at_widths(browser: Chrome, check: Any, artifacts: Path, name: str, shown: st
         for width in (1280, 390):
             browser.set_window_size(width, 800)
             time.sleep(0.3)
-            browser.execute_script("document.querySelector(arguments[0]).scrollIntoView()", shown)
+            browser.execute_script(
+                "document.querySelector(arguments[0]).scrollIntoView({inline: 'end'})", shown
+            )
             check(browser)
             browser.save_screenshot(str(artifacts / f"{name}-{width}.png"))
     finally:
@@ -913,7 +915,7 @@ def test_lease_left_reads_in_minutes_and_hours(
             assert re.fullmatch(r"49 min [0-2]?\d s", ttl_of(b, "minutes")), ttl_of(b, "minutes")
             assert ttl_of(b, "hours") == "1 h 5 min", ttl_of(b, "hours")
 
-        at_widths(browser, readable, artifacts, "console-ttl")
+        at_widths(browser, readable, artifacts, "console-ttl", "#lock-rows td.ttl")
 
 
 @needs_chromium
@@ -935,3 +937,34 @@ def test_identifiers_never_break_inside(
             assert widths[0] <= widths[1], widths  # the table scrolls in its box, not the page
 
         at_widths(browser, unbroken, artifacts, "console-identifiers")
+
+
+@needs_chromium
+def test_metadata_breaks_only_between_its_entries(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    metadata = {
+        "run": "2026-12-01",
+        "region": "eu-west-1",
+        "owner": "nightly-team",
+        "attempt": 3,
+        "note": "rebuild  the index",
+    }
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        lock = acquire(url, "nightly-report", "report-worker-7", metadata=metadata)
+        acquire(url, "long-values", "long-metadata", metadata={"k": "v" * 500})  # a long one may wrap
+        open_console(browser, url)
+        wait_for(browser, lambda b: "report-worker-7" in holders(b))
+        cell = f"#lock-rows tr[data-lock-id='{lock['id']}'] td.metadata"
+        as_json = json.dumps(lock["metadata"], separators=(",", ":"), ensure_ascii=False)  # jsonb's order
+
+        def between_entries(b: Chrome) -> None:
+            assert b.find_element(By.CSS_SELECTOR, cell).text == as_json  # the same text as before
+            for key, value in metadata.items():
+                entry = f'"{key}":{json.dumps(value)}'
+                assert lines_of(b, cell, entry) == 1, entry
+            assert lines_of(b, cell, as_json) > 1  # it does break, between entries
+            widths = b.execute_script("return [document.documentElement.scrollWidth, innerWidth]")
+            assert widths[0] <= widths[1], widths
+
+        at_widths(browser, between_entries, artifacts, "console-metadata", cell)

@@ -166,12 +166,34 @@ function row(entry) {
     el('td', { class: 'number' }, String(lock.fencing_token)),
     ttlCell,
     ageCell,
-    el('td', { class: 'metadata' }, el('code', {}, el('bdi', {}, metadataText(lock)))),
+    el('td', { class: 'metadata' }, metadataCode(lock.metadata)),
     ...action);
   const rendered = { entry, stateCell, ttlCell, ageCell };
   tick(rendered);
   state.renderedRows.push(rendered);
   return tr;
+}
+
+// Metadata as its JSON text, each top-level entry ("key":value) an unbreakable unit in its own
+// <bdi>, with a break allowed only after the comma between two entries; an entry longer than
+// UNBROKEN_MOST characters may still wrap anywhere. Its text is JSON.stringify's, character for
+// character.
+function metadataCode(metadata) {
+  const code = el('code', {});
+  if (metadata === null || metadata === undefined) return code;
+  const unit = (text) => el('bdi', { class: `entry${unbroken(text)}` }, text);
+  if (typeof metadata !== 'object') return code.appendChild(unit(JSON.stringify(metadata))) && code;
+  const array = Array.isArray(metadata);
+  const entries = array
+    ? metadata.map((value) => JSON.stringify(value))
+    : Object.entries(metadata).map(([key, value]) => `${JSON.stringify(key)}:${JSON.stringify(value)}`);
+  code.append(array ? '[' : '{');
+  entries.forEach((text, i) => {
+    if (i > 0) code.append(',', el('wbr', {}));
+    code.append(unit(text));
+  });
+  code.append(array ? ']' : '}');
+  return code;
 }
 
 // The cells that move with time: the lease left, the age and the marks they lead to.
