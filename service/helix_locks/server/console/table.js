@@ -182,7 +182,10 @@ function metadataCode(metadata) {
   const code = el('code', {});
   if (metadata === null || metadata === undefined) return code;
   const unit = (text) => el('bdi', { class: `entry${unbroken(text)}` }, text);
-  if (typeof metadata !== 'object') return code.appendChild(unit(JSON.stringify(metadata))) && code;
+  if (typeof metadata !== 'object') {
+    code.append(unit(JSON.stringify(metadata)));
+    return code;
+  }
   const array = Array.isArray(metadata);
   const entries = array
     ? metadata.map((value) => JSON.stringify(value))
