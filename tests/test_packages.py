@@ -1,11 +1,14 @@
-"""The packages as they are published: `python -m build` gives an sdist and a wheel (built from
-that sdist) that install into fresh venvs and work; and every place that states the version
-states pyproject.toml's."""
+"""Both packages as they are published: `python -m build` gives an sdist and a wheel (built from
+that sdist) that install into fresh venvs and work; `npm ci && npm pack` in a fresh copy of
+clients/node gives a tarball; examples/node-worker.mjs runs from the repository as its header
+says; and every place that states the version states pyproject.toml's."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -21,6 +24,7 @@ import helix_locks
 from tests.support import NODE_CLIENT, ROOT, free_port, running_service, wait_ready
 
 PACKAGE = ROOT / "service" / "helix_locks"
+EXAMPLE = ROOT / "examples" / "node-worker.mjs"
 # What a published sdist holds beside the package and the migrations (hatchling adds the last three).
 SDIST_FILES = {"README.md", "CHANGELOG.md", "pyproject.toml", "PKG-INFO", ".gitignore"}
 SMOKE = """\
@@ -149,6 +153,49 @@ def test_the_sdist_installs_into_a_fresh_venv_and_acquires(
     assert said == f"{_pyproject_version()} 1\n"
     usage = _run(venv / "bin/helix-locks", "--help", cwd=tmp_path, env=env)
     assert "run" in usage
+
+
+def _fresh_copy(where: Path) -> Path:
+    """clients/node and examples as a fresh clone has them: nothing installed or built."""
+    ignore = shutil.ignore_patterns("node_modules", "dist", "*.tgz")
+    for folder in ("clients/node", "examples"):
+        shutil.copytree(ROOT / folder, where / folder, ignore=ignore)
+    return where
+
+
+def _npm_env() -> dict[str, str]:
+    # From the npm cache when it can (the registry otherwise); none of this process's variables.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("HELIX_LOCKS_", "WORKER_"))}
+    return inherited | {"npm_config_prefer_offline": "true", "npm_config_audit": "false"}
+
+
+def test_npm_ci_then_npm_pack_in_a_fresh_copy_gives_the_tarball(node_client: Path, tmp_path: Path) -> None:
+    client = _fresh_copy(tmp_path / "clone") / "clients/node"
+    _run("npm", "ci", cwd=client, env=_npm_env())
+    assert (client / "dist/index.js").exists(), "npm ci builds the client (prepare)"
+    (packed,) = json.loads(_run("npm", "pack", "--json", cwd=client, env=_npm_env()))
+    files = {entry["path"] for entry in packed["files"]}
+    assert {"package.json", "README.md", "dist/index.js", "dist/index.d.ts"} <= files
+    tarball = client / packed["filename"]
+    assert packed["filename"] == f"helix-locks-{_pyproject_version()}.tgz"
+    print(f"{tarball.name}: {tarball.stat().st_size / 1e3:.0f} kB, {len(files)} files")
+
+
+def test_the_node_example_runs_from_the_repository_as_its_header_says(
+    node_client: Path, db_url: str, tmp_path: Path
+) -> None:
+    header = EXAMPLE.read_text().split("To run it from the repository", 1)[1].split("\n// In ", 1)[0]
+    commands = [line.split("#")[0].strip() for line in re.findall(r"^//   (\S.*)$", header, re.M)]
+    assert commands[-1] == "examples/node-worker.mjs [OUTPUT_FILE]", commands
+    clone = _fresh_copy(tmp_path / "clone")
+    for command in commands[:-1]:
+        _run("bash", "-c", command, cwd=clone, env=_npm_env())
+    output = tmp_path / "out.txt"
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "serve.log") as (url, _):
+        env = _npm_env() | {"HELIX_LOCKS_URL": url, "WORKER_WORK_SECONDS": "0"}
+        _run("examples/node-worker.mjs", output, cwd=clone, env=env)
+    token, _holder, _lock_id, _acquired_at, slot = output.read_text().split()
+    assert (token, slot) == ("1", "0")
 
 
 def test_every_version_is_pyprojects() -> None:
