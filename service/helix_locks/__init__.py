@@ -26,22 +26,30 @@ from helix_locks.client import (
     SyncLease,
     Unavailable,
 )
+from helix_locks.results import Acquired, Lock, LockEvent, LockState, Page, Reclaimed, Renewed
 
 # The one version, pyproject.toml's, as installed (clients/node/package.json says the same: a test
 # holds them together).
 __version__ = version("helix-locks")
 
 __all__ = [
+    "Acquired",
     "ApiError",
     "AsyncLease",
     "AsyncLockClient",
     "Grant",
     "HelixError",
     "Lease",
+    "Lock",
     "LockClient",
+    "LockEvent",
     "LockHeld",
     "LockLost",
+    "LockState",
     "MaxHoldersMismatch",
+    "Page",
+    "Reclaimed",
+    "Renewed",
     "SyncLease",
     "Unavailable",
 ]

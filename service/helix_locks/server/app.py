@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import re
@@ -24,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path
 
 import helix_locks
-from helix_locks.server import api, console, hot, problems, queries, query, telemetry
+from helix_locks.server import api, console, hot, migrate, problems, queries, query, schemas, telemetry
 from helix_locks.server.db import Database, create_pool
 from helix_locks.server.errors import (
     BodyTooLarge,
@@ -231,6 +232,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             events = EventHub(
                 db,
                 keys,
+                schemas.event_data,
                 poll_seconds=settings.events_poll_ms / 1000,
                 max_watchers=settings.max_watchers,
                 max_per_organization=settings.max_watchers_per_organization,
@@ -249,7 +251,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 waiters=waiters,
                 events=events,
                 metrics=metrics,
-                db=db,
+                ready=functools.partial(migrate.check_ready, db),
+                sample=functools.partial(metrics.sample, db),
                 anonymous_any_host=settings.anonymous_any_host,
             )
             # What exists now (modules, the app, its routes and schemas) lives as long as the app.
