@@ -204,5 +204,8 @@ def test_every_version_is_pyprojects() -> None:
     package = json.loads((NODE_CLIENT / "package.json").read_text())
     lock = json.loads((NODE_CLIENT / "package-lock.json").read_text())
     assert package["version"] == lock["version"] == lock["packages"][""]["version"] == version
+    # examples/ links the client: its lock records the version, as `npm install` there writes it.
+    linked = json.loads((ROOT / "examples" / "package-lock.json").read_text())["packages"]["../clients/node"]
+    assert linked["version"] == version
     assert json.loads((ROOT / "openapi.json").read_text())["info"]["version"] == version
     assert re.search(rf"^## \[{re.escape(version)}\]", (ROOT / "CHANGELOG.md").read_text(), re.M)
