@@ -10,6 +10,8 @@ the `server` extra and which nothing here imports:
             ...  # the job; lease.lost tells whether the lock may have been lost
 """
 
+from importlib.metadata import version
+
 from helix_locks.client import (
     ApiError,
     AsyncLease,
@@ -25,6 +27,10 @@ from helix_locks.client import (
     Unavailable,
 )
 from helix_locks.results import Acquired, Lock, LockEvent, LockState, Page, Reclaimed, Renewed
+
+# The one version, pyproject.toml's, as installed (clients/node/package.json says the same: a test
+# holds them together).
+__version__ = version("helix-locks")
 
 __all__ = [
     "Acquired",

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path
 
+import helix_locks
 from helix_locks.server import api, console, hot, migrate, problems, queries, query, schemas, telemetry
 from helix_locks.server.db import Database, create_pool
 from helix_locks.server.errors import (
@@ -268,7 +269,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
         openapi_url=None,  # served below, by a route that refuses unknown query parameters too
         title="Helix Locks",
-        version="0.1.0",
+        version=helix_locks.__version__,
         summary="A lock authority for background workers: one job per organization and job type at once.",
         lifespan=lifespan,
         # A body sent without any Content-Type is read as JSON; other types are refused.
