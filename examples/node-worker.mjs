@@ -1,9 +1,13 @@
 #!/usr/bin/env node
-// A Helix Locks worker in Node 20+, on the helix-locks client (clients/node: `npm pack` there, then
-// `npm install ./helix-locks-0.1.0.tgz` beside this file). Each iteration takes the lock for one
-// organization and job type (waiting while it is held), works while the client renews it, hands the
-// fencing token to what it writes, and releases it.
-// Usage: examples/node-worker.mjs [OUTPUT_FILE]
+// A Helix Locks worker in Node 20+, on the helix-locks client (clients/node). Each iteration takes
+// the lock for one organization and job type (waiting while it is held), works while the client
+// renews it, hands the fencing token to what it writes, and releases it.
+// To run it from the repository's top folder (tests/test_packages.py runs these lines):
+//   npm ci --prefix clients/node                # the client's dev dependencies, then its build
+//   npm ci --prefix examples --ignore-scripts   # examples/node_modules/helix-locks: a link to it
+//   examples/node-worker.mjs [OUTPUT_FILE]
+// In a project of your own, install the client's tarball instead: `npm ci && npm pack` in
+// clients/node, then `npm install <that folder>/helix-locks-<version>.tgz` in your project.
 //   HELIX_LOCKS_URL (default http://127.0.0.1:8080), HELIX_LOCKS_API_KEY (sent as a Bearer token)
 //   WORKER_ORG, WORKER_JOB_TYPE  the lock's key (default acme, nightly-report)
 //   WORKER_TTL           lease in seconds, renewed every TTL/3 (default 30)

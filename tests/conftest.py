@@ -21,7 +21,7 @@ from psycopg import sql
 from helix_locks.server import embedded
 from helix_locks.server.app import create_app
 from helix_locks.server.migrate import migrate
-from tests.support import ROUTE, build_node_client, in_process, pgbouncer, url_for
+from tests.support import ROUTE, build_node_client, in_process, pgbouncer, url_for, without_thin_path
 
 TEST_DATABASE_URL = "HELIX_TEST_DATABASE_URL"
 # HELIX_TEST_POOLER=pgbouncer: every service under test reaches its database through PgBouncer
@@ -129,9 +129,22 @@ def conn(db_url: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
         yield connection
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A module that sets BOTH_PATHS = True runs each test of the `client` fixture twice: through
+    the thin path of acquire, release and renew (server/hot.py), and through FastAPI's routes."""
+    if "client" in metafunc.fixturenames and getattr(metafunc.module, "BOTH_PATHS", False):
+        metafunc.parametrize("thin_path", [True, False], ids=["thin-path", "fastapi-routes"])
+
+
 @pytest.fixture
-async def client(db_url: str) -> AsyncIterator[httpx.AsyncClient]:
+def thin_path() -> bool:
+    """Whether `client`'s app answers acquire, release and renew on its thin path, as served."""
+    return True
+
+
+@pytest.fixture
+async def client(db_url: str, thin_path: bool) -> AsyncIterator[httpx.AsyncClient]:
     """The app in-process, inside its lifespan, on this test's database."""
     app = create_app(ROUTE.settings(db_url, pool_timeout_seconds=1.0, allow_anonymous=True))
-    async with in_process(app) as http:
+    async with in_process(app if thin_path else without_thin_path(app)) as http:
         yield http

@@ -29,6 +29,7 @@ from fastapi import FastAPI
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from helix_locks.client import EventDecoder
+from helix_locks.server import hot
 from helix_locks.server.embedded import DIRECT_DATABASE_URL
 from helix_locks.server.settings import Settings
 
@@ -382,6 +383,14 @@ async def in_process(app: FastAPI, **client: Any) -> AsyncIterator[httpx.AsyncCl
         client.setdefault("base_url", "http://localhost")
         async with httpx.AsyncClient(transport=transport, **client) as http:
             yield http
+
+
+def without_thin_path(app: FastAPI) -> FastAPI:
+    """`app` with the thin path of acquire, release and renew (server/hot.py) taken out of its
+    middleware, so that FastAPI's routes answer those too. Before the app first starts."""
+    thin: object = hot.HotRoutes
+    app.user_middleware = [middleware for middleware in app.user_middleware if middleware.cls is not thin]
+    return app
 
 
 @dataclass

@@ -22,6 +22,9 @@ from helix_locks.server.settings import Settings
 from tests.support import ROUTE, TcpProxy, in_process
 
 pytestmark = pytest.mark.anyio
+# Every test of `client` runs on the thin path of acquire, release and renew and on FastAPI's
+# routes (conftest.py): the two must answer alike.
+BOTH_PATHS = True
 Conn = psycopg.Connection[Any]
 PROBLEM = "application/problem+json"
 

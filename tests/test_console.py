@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -26,7 +27,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from helix_locks.server import keys
 from helix_locks.server.app import create_app
-from helix_locks.server.console import CONTENT_SECURITY_POLICY
+from helix_locks.server.console import ASSETS, CONTENT_SECURITY_POLICY
 from tests.support import ROUTE, needs_chromium, offline_chromium, running_service
 
 HOSTILE = "<img src=x onerror=alert(1)>"
@@ -264,6 +265,38 @@ async def test_the_service_s_root_leads_to_the_console(client: httpx.AsyncClient
 
 
 @pytest.mark.anyio
+async def test_every_module_of_the_page_is_served_as_javascript_under_the_policy(
+    client: httpx.AsyncClient,
+) -> None:
+    """The page loads one module, which imports the rest: each file it reaches, and every .js file
+    in the package, comes as JavaScript with the page's headers, and none makes HTML from text."""
+    page = (await client.get("/console")).text
+    assert '<script type="module" src="/console/assets/console.js"></script>' in page
+    shipped = {path.name for path in ASSETS.glob("*.js")}
+    reached: set[str] = set()
+    waiting = ["console.js"]
+    while waiting:
+        name = waiting.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        answer = await client.get(f"/console/assets/{name}")
+        assert answer.status_code == 200, name
+        assert answer.headers["content-type"] == "text/javascript; charset=utf-8", name
+        assert answer.headers["content-security-policy"] == EXACT_POLICY, name
+        assert answer.headers["x-content-type-options"] == "nosniff", name
+        assert answer.headers["cache-control"] == "no-cache", name
+        assert "etag" in answer.headers, name  # so that no-cache costs a 304, not the file again
+        again = await client.get(f"/console/assets/{name}", headers={"If-None-Match": answer.headers["etag"]})
+        assert again.status_code == 304, name
+        script = answer.text
+        assert "innerHTML" not in script and "insertAdjacentHTML" not in script and "eval(" not in script
+        assert script.startswith("// "), f"{name} opens with a comment on its job"
+        waiting += re.findall(r"^import .* from '\./([\w-]+\.js)';$", script, re.MULTILINE)
+    assert reached == shipped, (reached, shipped)
+
+
+@pytest.mark.anyio
 async def test_head_of_the_page_is_its_get_without_the_body(db_url: str) -> None:
     """HEAD /console: 200 and the GET's headers (its Content-Length included), and the app sends
     no body at all, whatever the server would do with one."""
@@ -407,7 +440,10 @@ def test_the_timeline_shows_a_reclaim_and_a_forced_release(
         forced = wait_for(browser, lambda b: bar(b, "forced"))
         assert forced["id"] == str(successor["id"]) and "forced" in forced["marks"], forced
         assert f"forced by the admin key {keys.key_id(admin)}" in forced["title"], forced  # who forced it
-        # The view zooms and pans: by its buttons, and by the mouse wheel.
+        # The view zooms and pans: by its buttons, and by the mouse wheel. (The first view fits the
+        # key's ten minutes of locks: the last hour is the viewer's choice.)
+        assert span(browser) < 900
+        click(browser, "button.window[data-window='3600000']")
         assert round(span(browser)) == 3600
         click(browser, "#zoom-in")
         assert round(span(browser)) == 1800
@@ -740,3 +776,206 @@ def test_a_busy_week_is_read_in_bounded_pages_and_drawn_quickly(
         assert known < 100, known
         assert browser.execute_script("return document.activeElement.id") == "filter"
         assert errors(browser) == []
+
+
+def lines_of(browser: Chrome, selector: str, text: str) -> int:
+    """How many lines `text` takes inside the first element the selector finds, as laid out: the
+    distinct tops of its characters' boxes (0 when the text is not there)."""
+    lines: int = browser.execute_script(
+        "const root = document.querySelector(arguments[0]), text = arguments[1];"
+        "const walker = document.createTreeWalker(root, NodeFilter.SHOW_TEXT), nodes = [];"
+        "let whole = '';"
+        "for (let node; (node = walker.nextNode()); whole += node.data) nodes.push([node, whole.length]);"
+        "const at = whole.indexOf(text);"
+        "if (at < 0) return 0;"
+        "const tops = new Set(), range = document.createRange();"
+        "for (let i = at; i < at + text.length; i++) {"
+        "  const [node, from] = nodes.filter(([, from]) => from <= i).pop();"
+        "  range.setStart(node, i - from); range.setEnd(node, i - from + 1);"
+        "  const box = range.getBoundingClientRect();"
+        "  if (box.width > 0) tops.add(Math.round(box.top)); }"
+        "return tops.size",
+        selector,
+        text,
+    )
+    return lines
+
+
+def at_widths(browser: Chrome, check: Any, artifacts: Path, name: str, shown: str = "#locks") -> None:
+    """Run check(browser) at 1280 and at 390 px wide, with a screenshot of each, `shown` in view."""
+    try:
+        for width in (1280, 390):
+            browser.set_window_size(width, 800)
+            time.sleep(0.3)
+            browser.execute_script(
+                "document.querySelector(arguments[0]).scrollIntoView({inline: 'end'})", shown
+            )
+            check(browser)
+            browser.save_screenshot(str(artifacts / f"{name}-{width}.png"))
+    finally:
+        browser.set_window_size(1280, 800)
+
+
+@needs_chromium
+def test_a_viewer_who_cannot_force_sees_no_action_column_and_one_note_why(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        acquire(url, "nightly-report", "worker-1")
+        open_console(browser, url)  # anonymous mode: the service refuses force without an admin key
+        wait_for(browser, lambda b: "worker-1" in holders(b))
+        wait_for(browser, lambda b: b.find_element(By.ID, "force-note").is_displayed())
+        note = browser.find_element(By.ID, "force-note")
+
+        def no_action_column(b: Chrome) -> None:
+            heads = [th.text for th in b.find_elements(By.CSS_SELECTOR, "#lock-head th")]
+            assert "Action" not in heads and len(heads) == 9, heads
+            cells = b.execute_script("return document.querySelector('#lock-rows tr').children.length")
+            assert cells == 9, cells
+            assert note.is_displayed() and "needs an admin key" in note.text, note.text
+            said = b.execute_script(
+                "return [...document.querySelectorAll('body *')].filter(e => e.children.length === 0"
+                " && e.offsetParent !== null && e.textContent.includes('needs an admin key')).length"
+            )
+            assert said == 1, said  # said once, not per row
+
+        at_widths(browser, no_action_column, artifacts, "console-anonymous")
+        assert errors(browser) == []
+
+    admin = keys.create(db_url, None)
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s2.log") as (url, _):
+        open_console(browser, url, admin)
+        wait_for(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "button.force"))
+        heads = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#lock-head th")]
+        assert heads[-1] == "Action", heads
+        assert not browser.find_element(By.ID, "force-note").is_displayed()
+
+
+@needs_chromium
+def test_the_first_view_of_a_timeline_fits_its_data_and_a_chosen_view_stays(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        # A new server: its first lock was acquired 3 minutes ago and is released now; a second follows.
+        first = acquire(url, "nightly-report", "first-worker")
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            conn.execute(
+                "UPDATE helix_job_locks SET acquired_at = clock_timestamp() - interval '3 minutes',"
+                " expires_at = clock_timestamp() + interval '2 minutes' WHERE id = %s",
+                (first["id"],),
+            )
+        released = httpx.delete(f"{url}/v1/locks/{first['id']}", headers={"Lock-Token": first["token"]})
+        assert released.status_code == 204, released.text
+        acquire(url, "nightly-report", "second-worker")
+        open_console(browser, url)
+        wait_for(browser, lambda b: "second-worker" in holders(b))
+        click(browser, "#lock-rows button.key")
+        wait_for(browser, lambda b: bar(b, "released") and bar(b, "held"))
+
+        def spread(b: Chrome) -> float:
+            """The share of the plot's width between the first bar's start and the last one's end."""
+            share: float = b.execute_script(
+                "const svg = document.querySelector('#timeline-chart svg');"
+                "const boxes = [...svg.querySelectorAll('g.lock rect.bar')].map(r => r.getBBox());"
+                "const from = Math.min(...boxes.map(b => b.x));"
+                "const to = Math.max(...boxes.map(b => b.x + b.width));"
+                "return (to - from) / (Number(svg.getAttribute('width')) - 72)"
+            )
+            return share
+
+        def fitted(b: Chrome) -> None:
+            b.execute_script("drawTimeline()")
+            assert spread(b) > 0.5, spread(b)
+            assert 180 < span(b) < 600, span(b)  # from the first lock's start to now, and a margin
+
+        wait_for(browser, lambda b: spread(b) > 0.5)
+        at_widths(browser, fitted, artifacts, "console-timeline-fitted", "#timeline")
+
+        # The viewer's own choice stays, as locks come and the view is drawn again.
+        click(browser, "#zoom-out")
+        chosen = span(browser)
+        acquire(url, "nightly-report", "third-worker", organization_id="other")
+        browser.execute_script("drawTimeline()")
+        assert abs(span(browser) - chosen) < 2, (span(browser), chosen)
+        click(browser, "button.window[data-window='3600000']")
+        assert round(span(browser)) == 3600
+        assert errors(browser) == []
+
+
+@needs_chromium
+def test_lease_left_reads_in_minutes_and_hours(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        for holder, ttl in (("short", 42), ("minutes", 2967), ("hours", 3930)):
+            acquire(url, "nightly-report", holder, ttl_seconds=ttl, organization_id=holder)
+        open_console(browser, url)
+        wait_for(browser, lambda b: len(holders(b)) == 3)
+
+        def ttl_of(b: Chrome, holder: str) -> str:
+            text: str = b.execute_script(
+                "return [...document.querySelectorAll('#lock-rows tr')]"
+                ".find(row => row.querySelector('td.holder').textContent === arguments[0])"
+                ".querySelector('td.ttl').textContent",
+                holder,
+            )
+            return text
+
+        def readable(b: Chrome) -> None:
+            assert re.fullmatch(r"(3\d|4[0-2]) s", ttl_of(b, "short")), ttl_of(b, "short")
+            assert re.fullmatch(r"49 min [0-2]?\d s", ttl_of(b, "minutes")), ttl_of(b, "minutes")
+            assert ttl_of(b, "hours") == "1 h 5 min", ttl_of(b, "hours")
+
+        at_widths(browser, readable, artifacts, "console-ttl", "#lock-rows td.ttl")
+
+
+@needs_chromium
+def test_identifiers_never_break_inside(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        lock = acquire(url, "nightly-report", "report-worker-7", metadata={"run": "2026-12-01"})
+        acquire(url, "long-values", "H" * 200, metadata={"k": "v" * 500})  # long ones may still wrap
+        open_console(browser, url)
+        wait_for(browser, lambda b: "report-worker-7" in holders(b))
+        row = f"#lock-rows tr[data-lock-id='{lock['id']}']"
+
+        def unbroken(b: Chrome) -> None:
+            assert lines_of(b, f"{row} button.key", "nightly-report") == 1
+            assert lines_of(b, f"{row} td.holder", "report-worker-7") == 1
+            assert lines_of(b, f"{row} td.org", "acme") == 1
+            widths = b.execute_script("return [document.documentElement.scrollWidth, innerWidth]")
+            assert widths[0] <= widths[1], widths  # the table scrolls in its box, not the page
+
+        at_widths(browser, unbroken, artifacts, "console-identifiers")
+
+
+@needs_chromium
+def test_metadata_breaks_only_between_its_entries(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    metadata = {
+        "run": "2026-12-01",
+        "region": "eu-west-1",
+        "owner": "nightly-team",
+        "attempt": 3,
+        "note": "rebuild  the index",
+    }
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        lock = acquire(url, "nightly-report", "report-worker-7", metadata=metadata)
+        acquire(url, "long-values", "long-metadata", metadata={"k": "v" * 500})  # a long one may wrap
+        open_console(browser, url)
+        wait_for(browser, lambda b: "report-worker-7" in holders(b))
+        cell = f"#lock-rows tr[data-lock-id='{lock['id']}'] td.metadata"
+        as_json = json.dumps(lock["metadata"], separators=(",", ":"), ensure_ascii=False)  # jsonb's order
+
+        def between_entries(b: Chrome) -> None:
+            assert b.find_element(By.CSS_SELECTOR, cell).text == as_json  # the same text as before
+            for key, value in metadata.items():
+                entry = f'"{key}":{json.dumps(value)}'
+                assert lines_of(b, cell, entry) == 1, entry
+            assert lines_of(b, cell, as_json) > 1  # it does break, between entries
+            widths = b.execute_script("return [document.documentElement.scrollWidth, innerWidth]")
+            assert widths[0] <= widths[1], widths
+
+        at_widths(browser, between_entries, artifacts, "console-metadata", cell)

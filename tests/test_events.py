@@ -17,7 +17,7 @@ import httpx
 import psycopg
 import pytest
 
-from helix_locks.server import keys, queries
+from helix_locks.server import keys, queries, schemas
 from helix_locks.server.db import Database, create_pool
 from helix_locks.server.errors import EventsExpired
 from helix_locks.server.events import EventHub, EventIds, Position, Window
@@ -78,7 +78,7 @@ async def event_hub(db_url: str, statement_timeout_ms: int = 5000, **limits: int
         "keep": None,
         "keepalive_seconds": 1,
     }
-    hub = EventHub(db, KeyRing(db, allow_anonymous=True), **(given | limits))
+    hub = EventHub(db, KeyRing(db, allow_anonymous=True), schemas.event_data, **(given | limits))
     try:
         yield hub
     finally:

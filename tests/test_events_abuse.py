@@ -16,7 +16,7 @@ import httpx
 import psycopg
 import pytest
 
-from helix_locks.server import keys, queries
+from helix_locks.server import keys, queries, schemas
 from helix_locks.server.db import Database, create_pool
 from helix_locks.server.errors import OrganizationWatchersFull
 from helix_locks.server.events import KEY_BYTES, EventHub, EventIds, Position, Window
@@ -714,7 +714,7 @@ async def test_slow_resumes_of_several_organizations_stay_within_the_process_bou
     await pool.open()
     db = Database(pool, settings)
     hub = EventHub(
-        db, KeyRing(db, allow_anonymous=True), poll_seconds=0.02, max_watchers=1000,
+        db, KeyRing(db, allow_anonymous=True), schemas.event_data, poll_seconds=0.02, max_watchers=1000,
         max_per_organization=1000, replay_limit=1000, stream_bytes=1024 * 1024, memory_bytes=memory,
         organization_bytes=0, keep=None, keepalive_seconds=1,
     )  # fmt: skip

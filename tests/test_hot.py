@@ -19,7 +19,7 @@ from asgi_lifespan import LifespanManager
 
 from helix_locks.server import hot
 from helix_locks.server.app import create_app
-from tests.support import ROUTE
+from tests.support import ROUTE, without_thin_path
 
 pytestmark = pytest.mark.anyio
 BODY = {"organization_id": "acme", "job_type": "report", "holder": "w1", "ttl_seconds": 30}
@@ -40,9 +40,7 @@ class Routes:
 @pytest.fixture
 async def routes(db_url: str) -> AsyncIterator[Routes]:
     settings = ROUTE.settings(db_url, allow_anonymous=True)
-    app, without = create_app(settings), create_app(settings)
-    thin_path: object = hot.HotRoutes
-    without.user_middleware = [m for m in without.user_middleware if m.cls is not thin_path]
+    app, without = create_app(settings), without_thin_path(create_app(settings))
     seen: list[object] = []
 
     async with LifespanManager(app) as manager, LifespanManager(without) as other:

@@ -4,14 +4,41 @@ venv, as a worker author would."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
 from helix_locks.cli import SERVER_MODULES
 from tests.support import ROOT, ROUTE, running_service
+
+# What only the server needs: none of it may load with the SDK.
+SERVER_ONLY = ("fastapi", "starlette", "psycopg", "pydantic", "uvicorn")
+SDK = ROOT / "service" / "helix_locks"
+# Imports the module named in argv[1] and prints the names of every module then loaded.
+LOADED = (
+    "import importlib, json, sys; importlib.import_module(sys.argv[1]); print(json.dumps([*sys.modules]))"
+)
+TYPED_PROJECT = """\
+from helix_locks import LockClient, LockHeld
+
+
+def fence(url: str) -> int:
+    with LockClient(url) as client:
+        try:
+            with client.lock("acme", "typed", ttl=30) as lease:
+                return lease.fencing_token
+        except LockHeld as held:
+            return len(held.holder or "")
+"""
+
+
+def sdk_modules() -> list[str]:
+    """helix_locks and every module beside its __init__ (the server's subpackage aside)."""
+    return ["helix_locks", *sorted(f"helix_locks.{p.stem}" for p in SDK.glob("*.py") if p.stem != "__init__")]
 
 
 def _size_mb(path: Path) -> float:
@@ -113,3 +140,45 @@ def test_the_sdk_imports_in_a_project_with_its_own_service_package_and_runs_a_jo
         )
         assert run.returncode == 0, run.stderr
         assert run.stdout == "ran\n"
+
+
+def test_the_sdk_modules_are_found_where_expected() -> None:
+    assert {"helix_locks.client", "helix_locks.runner", "helix_locks.cli"} <= set(sdk_modules())
+
+
+@pytest.mark.parametrize("python", ["worker", "server"])
+@pytest.mark.parametrize("module", sdk_modules())
+def test_every_sdk_module_imports_without_loading_the_server(
+    module: str, python: str, worker_venv: Path, tmp_path: Path
+) -> None:
+    # In the worker's venv the server's packages are not installed, so an import of them fails;
+    # in the server's (this one), where they are, loading one would pass unseen but for this check.
+    interpreter = worker_venv / "bin/python" if python == "worker" else Path(sys.executable)
+    done = subprocess.run(
+        [interpreter, "-c", LOADED, module], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    loaded = {name.split(".")[0] for name in json.loads(done.stdout)}
+    assert not loaded & set(SERVER_ONLY), f"{module} loads {sorted(loaded & set(SERVER_ONLY))}"
+    assert "helix_locks.server" not in json.loads(done.stdout)
+
+
+def test_the_wheel_carries_py_typed_and_a_project_type_checks_against_the_sdk(
+    worker_venv: Path, tmp_path: Path
+) -> None:
+    (wheel,) = worker_venv.parent.glob("helix_locks-*.whl")
+    assert "helix_locks/py.typed" in zipfile.ZipFile(wheel).namelist()
+    # mypy finds the SDK installed in the worker's venv, as a project's mypy would: only through
+    # py.typed (without it: "missing library stubs or py.typed marker").
+    (tmp_path / "job.py").write_text(TYPED_PROJECT)
+    checked = subprocess.run(
+        [
+            *(sys.executable, "-m", "mypy", "--strict", "--no-incremental"),
+            *("--python-executable", worker_venv / "bin/python", "job.py"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from helix_locks import ApiError, LockClient, Unavailable
+from helix_locks import ApiError, Lock, LockClient, Unavailable
 from tests.support import ROOT, running_service
 
 TTL = 2.0
@@ -96,7 +96,7 @@ class Observer:
 
     def __init__(self, url: str) -> None:
         self.leaders: list[tuple[str, int]] = []  # (address, fencing token), each change once
-        self.current: dict[str, Any] | None = None
+        self.current: Lock | None = None
         self.error: BaseException | None = None
         self._url = url
         self._thread = threading.Thread(target=self._observe, daemon=True)

@@ -81,7 +81,10 @@ def test_every_command_block_of_the_readme_runs_as_written(tmp_path: Path) -> No
                 text=True,
                 timeout=600,
             )
-            assert result.returncode == 0, f"{code}\n---\n{result.stdout}\n{result.stderr}"
+            served = tmp_path / "serve.log"
+            tail = served.read_text(errors="replace")[-4000:] if served.exists() else "(not started)"
+            said = f"{result.stdout}\n{result.stderr}\n--- serve:\n{tail}"
+            assert result.returncode == 0, f"{code}\n---\n{said}"
             if "pip install -e '.[server]'" in code:
                 with (tmp_path / "serve.log").open("wb") as log:
                     server = subprocess.Popen(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import queue
 import signal
 import socket
 import threading
@@ -13,22 +15,28 @@ import time
 from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import pytest
 
 from helix_locks import (
+    Acquired,
     ApiError,
     AsyncLockClient,
     HelixError,
     InvalidURL,
     Lease,
+    Lock,
     LockClient,
+    LockEvent,
     LockHeld,
     LockLost,
     MaxHoldersMismatch,
     NotHelixLocks,
+    Page,
+    Reclaimed,
+    Renewed,
     Unavailable,
 )
 from helix_locks.client import _grant
@@ -344,7 +352,7 @@ def test_a_waiting_lock_on_a_full_semaphore_is_granted_when_one_holder_releases(
 
 def test_an_older_service_without_semaphores_reads_as_one_slot() -> None:
     body = {"id": 7, "organization_id": "acme", "job_type": "x", "fencing_token": 3, "token": "t"}
-    grant = _grant({**body, "ttl_remaining_ms": 30_000}, 30, time.monotonic())
+    grant = _grant(cast(Acquired, {**body, "ttl_remaining_ms": 30_000}), 30, time.monotonic())
     assert (grant.max_holders, grant.slot) == (1, 0)
     assert (Lease(grant).max_holders, Lease(grant).slot) == (1, 0)
     held = LockHeld({"lock_id": 7, "holder": "w", "expires_at": "2026-12-01T00:00:00Z"}, 1.0)
@@ -428,3 +436,79 @@ def test_a_server_that_is_not_helix_locks_is_said_so(kind: str, tmp_path: Path) 
             client.acquire("acme", "x")
         with pytest.raises(NotHelixLocks, match="GET /v1/locks answered 404"):
             client.list()
+
+
+def _fields(declared: Any) -> tuple[set[str], set[str]]:
+    """A TypedDict's required keys, and every key it declares."""
+    return set(declared.__required_keys__), set(declared.__required_keys__ | declared.__optional_keys__)
+
+
+def test_the_sdk_s_result_types_name_every_field_the_service_sends_and_no_other(
+    service: tuple[str, Any],
+) -> None:
+    """results.py is what a type checker trusts: each answer of a real service has its type's
+    required keys and nothing it does not declare, nested objects too."""
+
+    def conforms(value: dict[str, Any], declared: Any, what: str) -> None:
+        required, known = _fields(declared)
+        assert required <= value.keys(), f"{what} lacks {sorted(required - value.keys())}"
+        assert value.keys() <= known, f"{what} has undeclared {sorted(value.keys() - known)}"
+
+    url, _ = service
+    with LockClient(url) as client, LockClient(url) as rival:
+        first = client.acquire("acme", "typed", ttl=1, metadata={"step": 1})
+        conforms(dict(first.body), Acquired, "an acquire")
+        time.sleep(1.2)  # its lease runs out: the next grant reclaims it
+        grant = rival.acquire("acme", "typed", ttl=30)
+        conforms(dict(grant.body), Acquired, "an acquire that reclaimed")
+        assert grant.body["reclaimed"] is not None
+        conforms(dict(grant.body["reclaimed"]), Reclaimed, "its reclaimed lock")
+        conforms(dict(rival.renew(grant.id, grant.token, 30)), Renewed, "a renewal")
+        conforms(dict(rival.update(grant.id, grant.token, {"step": 2})), Lock, "an update")
+        conforms(dict(rival.get(grant.id)), Lock, "a lock")
+        page = rival.list(organization_id="acme", limit=1)
+        conforms(dict(page), Page, "a page")
+        conforms(dict(page["items"][0]), Lock, "a listed lock")
+        held = rival.current("acme", "typed")
+        assert held is not None
+        conforms(dict(held), Lock, "the current lock")
+        rival.release(grant.id, grant.token)
+    # A watch joins when it is first read: grants go on beside it until it hands one over.
+    taken: queue.Queue[LockEvent] = queue.Queue()
+
+    def watch() -> None:
+        with LockClient(url) as watcher:
+            taken.put(next(watcher.watch("acme", "typed-watched", within=30)))
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    with LockClient(url) as client:
+        for _ in range(300):
+            granted = client.acquire("acme", "typed-watched", ttl=30)
+            client.release(granted.id, granted.token)
+            if not thread.is_alive():
+                break
+            thread.join(timeout=0.1)
+    event = taken.get(timeout=10)
+    conforms(dict(event), LockEvent, "an event")
+    conforms(dict(event["lock"]), Lock, "an event's lock")
+
+
+def test_every_public_name_of_the_sdk_says_what_it_does() -> None:
+    """help() on any public class, method or function of helix_locks gives its docstring."""
+    import helix_locks
+
+    missing = []
+    for name in helix_locks.__all__:
+        value = getattr(helix_locks, name)
+        if not inspect.isclass(value):
+            continue
+        if not inspect.getdoc(value):
+            missing.append(name)
+        for attribute, member in vars(value).items():
+            function = member.fget if isinstance(member, property) else member
+            if attribute.startswith("_") or not callable(function):
+                continue
+            if not inspect.getdoc(function):
+                missing.append(f"{name}.{attribute}")
+    assert not missing, f"no docstring: {missing}"

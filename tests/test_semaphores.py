@@ -23,6 +23,9 @@ from tests.test_events import replicas
 from tests.test_metrics import samples, value
 
 pytestmark = pytest.mark.anyio
+# Every test of `client` runs on the thin path of acquire, release and renew and on FastAPI's
+# routes (conftest.py): the two must answer alike.
+BOTH_PATHS = True
 Conn = psycopg.Connection[Any]
 
 

@@ -23,6 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 import psycopg
 import pytest
 
+from helix_locks import LockEvent
 from helix_locks import client as sdk
 from helix_locks.client import (
     ApiError,
@@ -207,14 +208,14 @@ def watch_until_error(
     url: str,
     *,
     timeout: float = 10.0,
-    sink: Callable[[dict[str, Any]], None] | None = None,
+    sink: Callable[[LockEvent], None] | None = None,
     **options: Any,
-) -> tuple[list[dict[str, Any]], BaseException]:
+) -> tuple[list[LockEvent], BaseException]:
     """Every event the client's watch hands out (to `sink` too, as it comes), and the error that
     ends it."""
-    events: list[dict[str, Any]] = []
+    events: list[LockEvent] = []
 
-    def take(event: dict[str, Any]) -> None:
+    def take(event: LockEvent) -> None:
         events.append(event)
         if sink is not None:
             sink(event)
@@ -505,7 +506,7 @@ class Watcher:
     """A client's watch read in a thread of its own into a queue, until it fails."""
 
     def __init__(self, kind: str, url: str, **options: Any) -> None:
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.events: queue.Queue[LockEvent] = queue.Queue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._watch, args=(kind, url, options), daemon=True)
         self.thread.start()
@@ -517,15 +518,13 @@ class Watcher:
             self.error = exc
             raise
 
-    def next(self, timeout: float = 10.0) -> dict[str, Any]:
+    def next(self, timeout: float = 10.0) -> LockEvent:
         try:
             return self.events.get(timeout=timeout)
         except queue.Empty:
             raise AssertionError(f"no event within {timeout} s (watch error: {self.error!r})") from None
 
-    def until(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0
-    ) -> list[dict[str, Any]]:
+    def until(self, predicate: Callable[[LockEvent], bool], timeout: float = 10.0) -> list[LockEvent]:
         """Events up to and including the first one that satisfies the predicate."""
         seen = []
         deadline = time.monotonic() + timeout
@@ -547,7 +546,7 @@ def replicas(db_url: str, tmp_path: Path) -> Iterator[tuple[str, str]]:
         yield a, b
 
 
-def released_event(lock_id: int) -> Callable[[dict[str, Any]], bool]:
+def released_event(lock_id: int) -> Callable[[LockEvent], bool]:
     return lambda event: event["type"] == "released" and event["lock"]["id"] == lock_id
 
 

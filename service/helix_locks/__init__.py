@@ -10,6 +10,8 @@ the `server` extra and which nothing here imports:
             ...  # the job; lease.lost tells whether the lock may have been lost
 """
 
+from importlib.metadata import version
+
 from helix_locks.client import (
     ApiError,
     AsyncLease,
@@ -26,8 +28,14 @@ from helix_locks.client import (
     SyncLease,
     Unavailable,
 )
+from helix_locks.results import Acquired, Lock, LockEvent, LockState, Page, Reclaimed, Renewed
+
+# The one version, pyproject.toml's, as installed (clients/node/package.json says the same: a test
+# holds them together).
+__version__ = version("helix-locks")
 
 __all__ = [
+    "Acquired",
     "ApiError",
     "AsyncLease",
     "AsyncLockClient",
@@ -35,11 +43,17 @@ __all__ = [
     "HelixError",
     "InvalidURL",
     "Lease",
+    "Lock",
     "LockClient",
+    "LockEvent",
     "LockHeld",
     "LockLost",
+    "LockState",
     "MaxHoldersMismatch",
     "NotHelixLocks",
+    "Page",
+    "Reclaimed",
+    "Renewed",
     "SyncLease",
     "Unavailable",
 ]

@@ -30,9 +30,11 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import httpx
+
+from helix_locks.results import Acquired, Lock, LockEvent, LockState, Page, Renewed
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 # Statuses that mean the lock is no longer ours, whatever we do.
@@ -160,7 +162,7 @@ class Grant:
     # This process's monotonic clock when the acquire was sent (or, in lock(), the renewal that
     # confirmed a long acquire): the lease is counted from there.
     sent_at: float = field(repr=False)
-    body: dict[str, Any] = field(repr=False)
+    body: Acquired = field(repr=False)
     # Of a semaphore: how many may hold the key at once, and which place, from 0, this one holds.
     max_holders: int = 1
     slot: int = 0
@@ -331,7 +333,7 @@ def _wait_round(body: dict[str, Any], give_up: float) -> float:
     return left
 
 
-def _grant(body: dict[str, Any], ttl: float, sent_at: float) -> Grant:
+def _grant(body: Acquired, ttl: float, sent_at: float) -> Grant:
     # The grant was made after the request was sent, so a lease counted from the send never ends
     # after the service's. (Not from the answer's ttl_remaining_ms: the answer may be read late.)
     return Grant(
@@ -346,6 +348,24 @@ def _grant(body: dict[str, Any], ttl: float, sent_at: float) -> Grant:
         max_holders=body.get("max_holders", 1),  # absent from a service older than semaphores
         slot=body.get("slot", 0),
     )
+
+
+def _listing(
+    organization_id: str | None,
+    job_type: str | None,
+    state: str | None,
+    limit: int | None,
+    cursor: str | None,
+) -> dict[str, Any]:
+    """GET /v1/locks's query: the parameters given."""
+    given = {
+        "organization_id": organization_id,
+        "job_type": job_type,
+        "state": state,
+        "limit": limit,
+        "cursor": cursor,
+    }
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -407,7 +427,7 @@ class EventDecoder:
         return ServerEvent(event or "message", "\n".join(data), self._id)
 
 
-def _watch_event(sent: ServerEvent) -> dict[str, Any]:
+def _watch_event(sent: ServerEvent) -> LockEvent:
     """An event's data as the SDK hands it over: the JSON object, with its id added."""
     try:
         event = json.loads(sent.data)
@@ -417,7 +437,7 @@ def _watch_event(sent: ServerEvent) -> dict[str, Any]:
         raise ApiError(200, {"detail": f"an event whose data is not a JSON object: {sent.data[:200]!r}"})
     event.setdefault("type", sent.event)
     event["id"] = sent.id
-    return event
+    return cast(LockEvent, event)
 
 
 class Lease:
@@ -440,6 +460,8 @@ class Lease:
 
     @property
     def safety(self) -> float:
+        """Seconds before the lease's end by our clock at which it counts as lost: a tenth of
+        the lease, at least 0.1 s (network delay and clock drift)."""
         return max(0.1, self.grant.ttl * SAFETY_FRACTION)
 
     @property
@@ -449,6 +471,8 @@ class Lease:
 
     @property
     def lost(self) -> bool:
+        """True once a renewal was refused or the lease could have lapsed by our clock: stop
+        the work, the lock may be another's."""
         return self._lost_reason is not None or self.remaining <= 0
 
     def check(self) -> None:
@@ -459,6 +483,7 @@ class Lease:
 
     @property
     def lost_reason(self) -> str | None:
+        """Why the lease counts as lost, or None while it is held."""
         if self._lost_reason is None and self.remaining <= 0:
             return "the lease may have lapsed: renewals did not succeed in time"
         return self._lost_reason
@@ -478,7 +503,7 @@ class SyncLease(Lease):
         super().__init__(grant)
         self._client = client
 
-    def update(self, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    def update(self, metadata: Mapping[str, Any] | None) -> Lock:
         """Replace the lock's metadata (progress, a leader's address) and return the lock; LockLost,
         without a request, if the lease is lost already, or when the service says it is."""
         return self._client._run(self._client._lease_update(self, metadata))
@@ -491,7 +516,7 @@ class AsyncLease(Lease):
         super().__init__(grant)
         self._client = client
 
-    async def update(self, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    async def update(self, metadata: Mapping[str, Any] | None) -> Lock:
         """As SyncLease.update."""
         return await self._client._run(self._client._lease_update(self, metadata))
 
@@ -531,7 +556,7 @@ class _ReadLine:
 class _Emit:
     """An event for the driver to hand to its caller; the flow is sent None once it is taken."""
 
-    event: dict[str, Any]
+    event: LockEvent
 
 
 T = TypeVar("T")
@@ -624,7 +649,7 @@ class _Core:
                 if time.monotonic() >= give_up:
                     raise
 
-    def _renew(self, lock_id: int, token: str, ttl: float, within: float) -> Flow[dict[str, Any]]:
+    def _renew(self, lock_id: int, token: str, ttl: float, within: float) -> Flow[Renewed]:
         response = yield from self._send(
             "POST",
             f"/v1/locks/{lock_id}/renew",
@@ -633,12 +658,12 @@ class _Core:
             within=within,
             holding=True,
         )
-        renewed: dict[str, Any] = response.json()
+        renewed: Renewed = response.json()
         return renewed
 
     def _update(
         self, lock_id: int, token: str, metadata: Mapping[str, Any] | None, within: float = 10.0
-    ) -> Flow[dict[str, Any]]:
+    ) -> Flow[Lock]:
         response = yield from self._send(
             "PATCH",
             f"/v1/locks/{lock_id}",
@@ -647,10 +672,10 @@ class _Core:
             within=within,
             holding=True,
         )
-        updated: dict[str, Any] = response.json()
+        updated: Lock = response.json()
         return updated
 
-    def _lease_update(self, lease: Lease, metadata: Mapping[str, Any] | None) -> Flow[dict[str, Any]]:
+    def _lease_update(self, lease: Lease, metadata: Mapping[str, Any] | None) -> Flow[Lock]:
         """A held lease's update, retried while the lease lasts; a refusal loses the lease."""
         lease.check()  # a lease lost by our clock proclaims nothing
         grant = lease.grant
@@ -668,16 +693,17 @@ class _Core:
             if not lost.released_by_its_token:
                 raise
 
-    def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Flow[dict[str, Any]]:
-        found: dict[str, Any] = (yield from self._send("GET", path, params=params)).json()
-        return found
+    def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Flow[Any]:
+        """The JSON the service answers; the caller says which of results.py's types it is."""
+        return (yield from self._send("GET", path, params=params)).json()
 
-    def _current(self, organization_id: str, job_type: str, slot: int | None) -> Flow[dict[str, Any] | None]:
+    def _current(self, organization_id: str, job_type: str, slot: int | None) -> Flow[Lock | None]:
         params: dict[str, Any] = {"organization_id": organization_id, "job_type": job_type}
         if slot is not None:
             params["slot"] = slot
         try:
-            return (yield from self._get("/v1/locks/current", params))
+            held: Lock = yield from self._get("/v1/locks/current", params)
+            return held
         except ApiError as exc:
             if exc.status == 404 and not isinstance(exc, NotHelixLocks):  # none is held
                 return None
@@ -777,6 +803,7 @@ class LockClient(_Core):
         self.http = httpx.Client(base_url=self.base_url, headers=self.headers, timeout=timeout)
 
     def close(self) -> None:
+        """Close the client's connections (as leaving its `with` block does)."""
         self.http.close()
 
     def __enter__(self) -> LockClient:
@@ -819,10 +846,13 @@ class LockClient(_Core):
         once, when the held locks of the key share another value."""
         return self._run(self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders))
 
-    def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
+    def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> Renewed:
+        """Extend a held lock's lease to `ttl` seconds from now, retrying for up to `within`
+        seconds while the service is unreachable; LockLost if the lock is not ours any more.
+        Renewed["lapsed"] says the lease had run out (unreclaimed) before this renewal."""
         return self._run(self._renew(lock_id, token, ttl, within))
 
-    def update(self, lock_id: int, token: str, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    def update(self, lock_id: int, token: str, metadata: Mapping[str, Any] | None) -> Lock:
         """Replace a held lock's metadata (progress, an address); LockLost if it is not ours."""
         return self._run(self._update(lock_id, token, metadata))
 
@@ -833,13 +863,28 @@ class LockClient(_Core):
         first attempt: that is this release's own success, not a loss."""
         self._run(self._release(lock_id, token))
 
-    def get(self, lock_id: int) -> dict[str, Any]:
-        return self._run(self._get(f"/v1/locks/{lock_id}"))
+    def get(self, lock_id: int) -> Lock:
+        """The lock with this id, live or ended (never its token); ApiError 404 if there is none
+        the key may see."""
+        found: Lock = self._run(self._get(f"/v1/locks/{lock_id}"))
+        return found
 
-    def list(self, **params: Any) -> dict[str, Any]:
-        return self._run(self._get("/v1/locks", params))
+    def list(
+        self,
+        organization_id: str | None = None,
+        job_type: str | None = None,
+        state: LockState | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+    ) -> Page:
+        """One page of locks, newest first: live ones (state None, "held" or "expired") or the
+        history ("released", "reclaimed"). Pass the page's next_cursor as `cursor` for the next."""
+        found: Page = self._run(
+            self._get("/v1/locks", _listing(organization_id, job_type, state, limit, cursor))
+        )
+        return found
 
-    def current(self, organization_id: str, job_type: str, slot: int | None = None) -> dict[str, Any] | None:
+    def current(self, organization_id: str, job_type: str, slot: int | None = None) -> Lock | None:
         """The lock held now for the key, or None: the one with the highest fencing token, or
         with `slot`, the one in that slot of a semaphore."""
         return self._run(self._current(organization_id, job_type, slot))
@@ -850,7 +895,7 @@ class LockClient(_Core):
         job_type: str | None = None,
         last_event_id: str | None = None,
         within: float | None = 60.0,
-    ) -> Generator[dict[str, Any], None, None]:
+    ) -> Generator[LockEvent, None, None]:
         """The events of GET /v1/events as they come, each its data with its `id` added; resumed
         after a cut or an end from the last event handed out. Unavailable when no stream could
         be opened for `within` seconds (None: never give up); ApiError on a refusal."""
@@ -931,6 +976,7 @@ class AsyncLockClient(_Core):
         self.http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout)
 
     async def aclose(self) -> None:
+        """Close the client's connections (as leaving its `async with` block does)."""
         await self.http.aclose()
 
     async def __aenter__(self) -> AsyncLockClient:
@@ -972,10 +1018,11 @@ class AsyncLockClient(_Core):
             self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders)
         )
 
-    async def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> dict[str, Any]:
+    async def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> Renewed:
+        """As LockClient.renew."""
         return await self._run(self._renew(lock_id, token, ttl, within))
 
-    async def update(self, lock_id: int, token: str, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    async def update(self, lock_id: int, token: str, metadata: Mapping[str, Any] | None) -> Lock:
         """Replace a held lock's metadata (progress, an address); LockLost if it is not ours."""
         return await self._run(self._update(lock_id, token, metadata))
 
@@ -983,15 +1030,26 @@ class AsyncLockClient(_Core):
         """As LockClient.release."""
         await self._run(self._release(lock_id, token))
 
-    async def get(self, lock_id: int) -> dict[str, Any]:
-        return await self._run(self._get(f"/v1/locks/{lock_id}"))
+    async def get(self, lock_id: int) -> Lock:
+        """As LockClient.get."""
+        found: Lock = await self._run(self._get(f"/v1/locks/{lock_id}"))
+        return found
 
-    async def list(self, **params: Any) -> dict[str, Any]:
-        return await self._run(self._get("/v1/locks", params))
+    async def list(
+        self,
+        organization_id: str | None = None,
+        job_type: str | None = None,
+        state: LockState | None = None,
+        limit: int | None = None,
+        cursor: str | None = None,
+    ) -> Page:
+        """As LockClient.list."""
+        found: Page = await self._run(
+            self._get("/v1/locks", _listing(organization_id, job_type, state, limit, cursor))
+        )
+        return found
 
-    async def current(
-        self, organization_id: str, job_type: str, slot: int | None = None
-    ) -> dict[str, Any] | None:
+    async def current(self, organization_id: str, job_type: str, slot: int | None = None) -> Lock | None:
         """As LockClient.current."""
         return await self._run(self._current(organization_id, job_type, slot))
 
@@ -1001,7 +1059,7 @@ class AsyncLockClient(_Core):
         job_type: str | None = None,
         last_event_id: str | None = None,
         within: float | None = 60.0,
-    ) -> AsyncGenerator[dict[str, Any], None]:
+    ) -> AsyncGenerator[LockEvent, None]:
         """As LockClient.watch. Leaving the loop early closes the stream when the generator is
         finalized; `contextlib.aclosing(client.watch(...))` closes it at once."""
         flow = self._watch(organization_id, job_type, last_event_id, within)

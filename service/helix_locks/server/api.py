@@ -16,8 +16,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel
 
-from helix_locks.server import logs, migrate, problems, query
-from helix_locks.server.db import Database
+from helix_locks.server import logs, problems, query
 from helix_locks.server.errors import (
     DatabaseUnavailable,
     EventsExpired,
@@ -70,7 +69,12 @@ class Services:
     waiters: Waiters
     events: EventHub
     metrics: Metrics
-    db: Database
+    # The database answers and this build's migrations are applied; else DatabaseUnavailable or
+    # SchemaNotReady (app.py composes it from migrate.py: routes reach the database only through
+    # the services above).
+    ready: Callable[[], Awaitable[None]]
+    # Refresh the metrics read from the database and the pool before a scrape.
+    sample: Callable[[], Awaitable[None]]
     anonymous_any_host: bool  # without keys, answer requests addressed to any host name
 
 
@@ -590,7 +594,7 @@ async def healthz() -> dict[str, Literal["ok"]]:
 )
 async def readyz(request: Request) -> dict[str, Literal["ready"]]:
     """The database answers and every migration of this build is applied."""
-    await migrate.check_ready(services(request).db)
+    await services(request).ready()
     return {"status": "ready"}
 
 
@@ -612,7 +616,6 @@ async def metrics(request: Request) -> PlainTextResponse:
     if not (caller.admin or caller is ANONYMOUS):
         raise Forbidden("Only an admin API key may read the metrics.")
     found = services(request)
-    await found.metrics.sample_locks(found.db)
-    found.metrics.sample_pool(found.db.pool)
+    await found.sample()
     body, media_type = found.metrics.render()
     return PlainTextResponse(body, media_type=media_type)

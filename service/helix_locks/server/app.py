@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import re
@@ -23,7 +24,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path
 
-from helix_locks.server import api, console, hot, problems, queries, query, telemetry
+import helix_locks
+from helix_locks.server import api, console, hot, migrate, problems, queries, query, schemas, telemetry
 from helix_locks.server.db import Database, create_pool
 from helix_locks.server.errors import (
     BodyTooLarge,
@@ -230,6 +232,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             events = EventHub(
                 db,
                 keys,
+                schemas.event_data,
                 poll_seconds=settings.events_poll_ms / 1000,
                 max_watchers=settings.max_watchers,
                 max_per_organization=settings.max_watchers_per_organization,
@@ -248,7 +251,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 waiters=waiters,
                 events=events,
                 metrics=metrics,
-                db=db,
+                ready=functools.partial(migrate.check_ready, db),
+                sample=functools.partial(metrics.sample, db),
                 anonymous_any_host=settings.anonymous_any_host,
             )
             # What exists now (modules, the app, its routes and schemas) lives as long as the app.
@@ -265,7 +269,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
         openapi_url=None,  # served below, by a route that refuses unknown query parameters too
         title="Helix Locks",
-        version="0.1.0",
+        version=helix_locks.__version__,
         summary="A lock authority for background workers: one job per organization and job type at once.",
         lifespan=lifespan,
         # A body sent without any Content-Type is read as JSON; other types are refused.

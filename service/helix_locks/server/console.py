@@ -6,6 +6,7 @@ so /console itself needs no key (like /docs) and holds no data.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from fastapi import FastAPI
@@ -34,6 +35,11 @@ HEADERS = {
 }
 
 
+# A browser runs an ES module only when it comes as JavaScript: the types of the console's files
+# are set here, not left to the host's mimetypes table (which on some hosts says text/plain).
+ASSET_MEDIA_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+
+
 class _Assets(query.Files):
     """The console's files. A path with a trailing slash names a folder, never a file."""
 
@@ -41,6 +47,19 @@ class _Assets(query.Files):
         if scope["path"].endswith("/"):
             raise HTTPException(status_code=404)
         return super().get_path(scope)
+
+    def file_response(
+        self,
+        full_path: str | os.PathLike[str],
+        stat_result: os.stat_result,
+        scope: Scope,
+        status_code: int = 200,
+    ) -> Response:
+        response = super().file_response(full_path, stat_result, scope, status_code)
+        media_type = ASSET_MEDIA_TYPES.get(Path(full_path).suffix)
+        if media_type and "content-type" in response.headers:
+            response.headers["content-type"] = media_type
+        return response
 
 
 class _ConsoleHeaders:

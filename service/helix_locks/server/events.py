@@ -13,7 +13,7 @@ import json
 import logging
 import re
 from collections import Counter, defaultdict, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -37,7 +37,6 @@ from helix_locks.server.errors import (
 )
 from helix_locks.server.keys import Caller, KeyRing
 from helix_locks.server.locks import Lock, Reclaimed, utc
-from helix_locks.server.schemas import AcquiredEventBody, EventBody, EventType, LockBody, ReclaimedBody
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ KEEP_ALIVE = b": keep-alive\n\n"
 # What a stream ended for the memory it held sends last: resume after this many milliseconds.
 RETRY = b"retry: 1000\n\n"
 # The kinds of helix_window_events (0019); 4 is the lock's end, named by its release_reason.
-KINDS: tuple[EventType, ...] = ("acquired", "expired", "renewed", "updated")
+KINDS = ("acquired", "expired", "renewed", "updated")
 END = 4
 # Statements that read for catch-ups at once in one process (each on a pooled connection).
 REPLAYS_AT_ONCE = 2
@@ -161,23 +160,23 @@ Place = tuple[datetime, int, int]
 Key = tuple[Window, datetime, int, int]
 
 
-def _event(ids: EventIds, window: Window, at: datetime, rank: int, row: DictRow) -> Event:
+# An event's data line: the JSON of its body, given what happened, when, to which lock, and for an
+# acquire the stale lock it took over. The edge supplies it (schemas.event_data, through app.py).
+EventData = Callable[[str, datetime, Lock, Reclaimed | None], str]
+
+
+def _event(ids: EventIds, data: EventData, window: Window, at: datetime, rank: int, row: DictRow) -> Event:
     """The event of kind `rank` at `at` in `window`, about the lock `row` reads."""
     lock = Lock.from_row(row)
-    kind: EventType = KINDS[rank] if rank < END else row["release_reason"]
+    kind: str = KINDS[rank] if rank < END else row["release_reason"]
     position = Position(window, (at, lock.id, rank))
-    body: EventBody
-    if kind == "acquired":
-        reclaimed = None
-        if row["reclaimed_lock_id"] is not None:
-            stale = Reclaimed(
-                row["reclaimed_lock_id"], row["reclaimed_holder"], utc(row["reclaimed_expired_at"])
-            )
-            reclaimed = ReclaimedBody.model_validate(stale, from_attributes=True)
-        body = AcquiredEventBody(type=kind, at=at, lock=LockBody.of(lock), reclaimed=reclaimed)
-    else:
-        body = EventBody(type=kind, at=at, lock=LockBody.of(lock))
-    wire = f"id: {ids.encode(position)}\nevent: {kind}\ndata: {body.model_dump_json()}\n\n".encode()
+    reclaimed = None
+    if kind == "acquired" and row["reclaimed_lock_id"] is not None:
+        reclaimed = Reclaimed(
+            row["reclaimed_lock_id"], row["reclaimed_holder"], utc(row["reclaimed_expired_at"])
+        )
+    body = data(kind, at, lock, reclaimed)
+    wire = f"id: {ids.encode(position)}\nevent: {kind}\ndata: {body}\n\n".encode()
     return Event(lock.organization_id, lock.job_type, wire)
 
 
@@ -231,6 +230,7 @@ class EventHub:
         self,
         db: Database,
         keys: KeyRing,
+        data: EventData,
         *,
         poll_seconds: float,
         max_watchers: int,
@@ -244,6 +244,7 @@ class EventHub:
     ) -> None:
         self.db = db
         self.keys = keys
+        self.data = data
         self.poll_seconds = poll_seconds
         self.max_watchers = max_watchers
         self.max_per_organization = max_per_organization
@@ -596,7 +597,7 @@ class EventHub:
             events: list[Event] = []
             grown = 0  # what the events add, less what their keys held
             for window, at, lock_id, rank in page:
-                event = _event(ids, window, at, rank, found[lock_id])
+                event = _event(ids, self.data, window, at, rank, found[lock_id])
                 if events and self._over(watcher, grown + len(event.wire) - KEY_BYTES, stream=False):
                     break
                 events.append(event)
@@ -726,7 +727,7 @@ class EventHub:
             self._fall_back(window)
             return None, due
         read = Window(window[0], window[1], until, until_at)
-        live = [_event(ids, read, utc(row["at"]), row["rank"], row) for row in by_start.get(1, [])]
+        live = [_event(ids, self.data, read, utc(row["at"]), row["rank"], row) for row in by_start.get(1, [])]
         # Sorted once by organization and by key, so that each watcher takes its share at the cost
         # of a lookup, however many watch.
         scopes: dict[tuple[str | None, str | None], list[Event]] = {(None, None): live}
@@ -743,7 +744,9 @@ class EventHub:
             if watcher.ended:
                 continue
             bridge = Window(watcher.bridge[0], watcher.bridge[1], until, until_at)
-            events = [_event(ids, bridge, utc(row["at"]), row["rank"], row) for row in found[:PAGE]]
+            events = [
+                _event(ids, self.data, bridge, utc(row["at"]), row["rank"], row) for row in found[:PAGE]
+            ]
             if len(found) > PAGE or self._over(watcher, sum(len(event.wire) for event in events)):
                 # Too much came while it caught up, or its client has yet to take what it has: it
                 # catches up again from its bridge, a page at a time.

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from helix_locks.server.errors import HOLDERS_LISTED
-from helix_locks.server.locks import Grant, Lock, Renewal, State, storable_text
+from helix_locks.server.locks import Grant, Lock, Reclaimed, Renewal, State, storable_text
 
 # Metadata as stored (stored_bytes), which is what every answer carries back; migration 0021
 # holds the database to the same bound.
@@ -369,6 +369,18 @@ class AcquiredEventBody(EventBody):
     reclaimed: ReclaimedBody | None = Field(
         description="The stale lock this grant took over, or null when there was none."
     )
+
+
+def event_data(kind: str, at: datetime, lock: Lock, reclaimed: Reclaimed | None) -> str:
+    """An event's data line as GET /v1/events sends it: the JSON of its body. The event hub (the
+    domain) is handed this by app.py, and so never builds an HTTP body itself."""
+    body: EventBody
+    if kind == "acquired":
+        stale = None if reclaimed is None else ReclaimedBody.model_validate(reclaimed, from_attributes=True)
+        body = AcquiredEventBody(type="acquired", at=at, lock=LockBody.of(lock), reclaimed=stale)
+    else:
+        body = EventBody.model_validate({"type": kind, "at": at, "lock": LockBody.of(lock)})
+    return body.model_dump_json()
 
 
 class RenewalBody(LockBody):

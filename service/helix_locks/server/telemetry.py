@@ -193,6 +193,11 @@ class Metrics:
         self.locks.labels("held").set(row["held"])
         self.locks.labels("expired").set(row["expired"])
 
+    async def sample(self, db: Database) -> None:
+        """Fresh figures of the locks and of this process's pool, for a scrape."""
+        await self.sample_locks(db)
+        self.sample_pool(db.pool)
+
     async def sample_pool_every(self, pool: Pool) -> None:
         """Keep this process's pool figures fresh for scrapes answered by other workers."""
         while True:

@@ -1,0 +1,78 @@
+"""What the service answers, typed for the SDK's users: the JSON objects of docs/api.md as
+TypedDicts (the Node client's types.ts declares the same). They are the dicts the SDK has always
+returned, so `lock["state"]` keeps working, and a type checker now knows every field."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NotRequired, TypedDict
+
+# `held`: live; `expired`: its lease ran out, not yet reclaimed; `released` (by its holder or by
+# force); `reclaimed`: taken over by a later grant.
+LockState = Literal["held", "expired", "released", "reclaimed"]
+EventType = Literal["acquired", "renewed", "updated", "released", "forced", "expired", "reclaimed"]
+
+
+class Lock(TypedDict):
+    """The lock object every endpoint that returns a lock returns (never with its token). Times
+    are RFC 3339 strings, by the database's clock."""
+
+    id: int
+    organization_id: str
+    job_type: str
+    holder: str
+    # Strictly increases with every grant of the key (across all the slots of a semaphore).
+    fencing_token: int
+    acquired_at: str
+    expires_at: str
+    released_at: str | None
+    release_reason: Literal["released", "reclaimed", "forced"] | None
+    state: LockState
+    # Milliseconds of lease left when the database answered.
+    ttl_remaining_ms: int
+    metadata: dict[str, Any] | None
+    # How many locks may hold the key at once (1: a plain lock), and which place this one holds.
+    max_holders: int
+    slot: int
+    # The id of the admin key that released it by force; None otherwise.
+    forced_by: NotRequired[str | None]
+
+
+class Reclaimed(TypedDict):
+    """The stale lock an acquire took over: its lease had run out."""
+
+    lock_id: int
+    holder: str
+    expired_at: str
+
+
+class Acquired(Lock):
+    """An acquire's answer (Grant.body): the lock, its secret token, and the lock it reclaimed."""
+
+    token: str
+    reclaimed: Reclaimed | None
+
+
+class Renewed(Lock):
+    """A renewal's answer: the lock, and whether the lease had run out, unreclaimed, before it."""
+
+    lapsed: bool
+
+
+class Page(TypedDict):
+    """One page of a listing, and the cursor of the next (None when nothing follows)."""
+
+    items: list[Lock]
+    next_cursor: str | None
+
+
+class LockEvent(TypedDict):
+    """One event of GET /v1/events: its data, with the stream's `id` added (what a watch resumes
+    from)."""
+
+    id: str
+    type: EventType
+    at: str
+    # The lock as it was when the event was read.
+    lock: Lock
+    # Of an `acquired` event: the stale lock the grant took over, or None.
+    reclaimed: NotRequired[Reclaimed | None]

@@ -1,0 +1,30 @@
+// How times and metadata read on the page: durations, UTC clock times, metadata as JSON text.
+
+// A span of time in its two largest units: "42 s", "49 min 26 s", "1 h 5 min", "3 d 2 h". A
+// countdown rounds up (roundUp), so that it reads 0 s only once the time is up.
+export function duration(ms, roundUp = false) {
+  if (!Number.isFinite(ms)) return '';
+  const seconds = Math.max(0, roundUp ? Math.ceil(ms / 1000) : Math.floor(ms / 1000));
+  if (seconds < 60) return `${seconds} s`;
+  const minutes = Math.floor(seconds / 60);
+  if (minutes < 60) return `${minutes} min ${seconds % 60} s`;
+  const hours = Math.floor(minutes / 60);
+  if (hours < 48) return `${hours} h ${minutes % 60} min`;
+  return `${Math.floor(hours / 24)} d ${hours % 24} h`;
+}
+
+export function utc(ms, withDate) {
+  const iso = new Date(ms).toISOString();
+  return withDate ? `${iso.slice(5, 10)} ${iso.slice(11, 16)}` : iso.slice(11, 16);
+}
+
+// Each lock's metadata as text, made once per lock object: sorting must not stringify every lock.
+const metadataTexts = new WeakMap(); // a cache private to this module
+export function metadataText(lock) {
+  let text = metadataTexts.get(lock);
+  if (text === undefined) {
+    text = lock.metadata === null || lock.metadata === undefined ? '' : JSON.stringify(lock.metadata);
+    metadataTexts.set(lock, text);
+  }
+  return text;
+}
