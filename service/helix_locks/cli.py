@@ -5,17 +5,16 @@ for them."""
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
+import helix_locks
 from helix_locks import runner
 from helix_locks.client import HelixError, InvalidURL, LockClient, LockHeld, LockLost
 
@@ -80,21 +79,6 @@ class _Parser(argparse.ArgumentParser):
     def format_help(self) -> str:
         self.epilog = _server_commands_help()
         return super().format_help()
-
-
-class _Version(argparse.Action):
-    """--version: the installed distribution's, looked up only when asked for."""
-
-    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
-
-    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
-        try:
-            version = importlib.metadata.version("helix-locks")
-        except importlib.metadata.PackageNotFoundError:
-            version = "unknown (helix_locks is not installed as a distribution)"
-        print(f"helix-locks {version}")
-        parser.exit()
 
 
 def _stop(signum: int, frame: FrameType | None) -> None:
@@ -232,7 +216,12 @@ def parser() -> argparse.ArgumentParser:
         description="Helix Locks: a lock authority for workers.",
         formatter_class=argparse.RawDescriptionHelpFormatter,  # the epilog's list, as written
     )
-    root.add_argument("--version", action=_Version, help="print the version and exit")
+    root.add_argument(
+        "--version",
+        action="version",
+        version=f"helix-locks {helix_locks.__version__}",
+        help="print the version and exit",
+    )
     # Only the client's commands are listed here (the server's have no help=): _Parser lists the
     # server's after them, saying whether they can run here.
     commands = root.add_subparsers(
