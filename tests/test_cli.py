@@ -100,6 +100,9 @@ def test_help_lists_the_client_commands_and_then_the_server_s_apart() -> None:
     listed = [found[1] for line in client.splitlines() if (found := re.match(r"    (\w+)", line))]
     assert listed == ["run", "acquire", "renew", "release", "current", "list", "watch"], result.stdout
     assert [line.split()[0] for line in server.splitlines() if line.strip()] == ["serve", "migrate", "keys"]
+    for command in ("run", "serve"):
+        alone = run(command, "--help")
+        assert alone.returncode == 0 and "server commands" not in alone.stdout, alone.stdout
 
 
 # Makes the server's modules unfindable, as in a worker's install, then runs the command line.

@@ -225,7 +225,11 @@ def parser() -> argparse.ArgumentParser:
     # Only the client's commands are listed here (the server's have no help=): _Parser lists the
     # server's after them, saying whether they can run here.
     commands = root.add_subparsers(
-        dest="command", required=True, metavar="COMMAND", title="client commands (they need the SDK alone)"
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        title="client commands (they need the SDK alone)",
+        parser_class=argparse.ArgumentParser,  # not _Parser: a command's --help lists no others
     )
     server_help = dict(SERVER_COMMANDS)
 
