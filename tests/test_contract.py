@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -26,7 +24,7 @@ from helix_locks.client import (
     backoff_seconds,
     retry_after_seconds,
 )
-from tests.support import ROOT
+from tests.support import ROOT, LocalServer, QuietHandler
 from tests.test_sdk import Either, either
 
 CONTRACT = json.loads((ROOT / "clients" / "contract.json").read_text(encoding="utf-8"))
@@ -53,7 +51,7 @@ class Seen:
     at: float
 
 
-class Scripted:
+class Scripted(LocalServer):
     """An HTTP server on a real socket that answers each request with the next of `answers`, and
     200 with `then` once they have run out; `seen` records every request."""
 
@@ -63,7 +61,7 @@ class Scripted:
         self.seen: list[Seen] = []
         script = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
 
             def _answer(self) -> None:
@@ -85,19 +83,7 @@ class Scripted:
 
             do_GET = do_POST = do_PATCH = do_DELETE = _answer
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def __enter__(self) -> Scripted:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
     def gaps(self) -> list[float]:
         return [later.at - earlier.at for earlier, later in zip(self.seen, self.seen[1:], strict=False)]
