@@ -702,7 +702,7 @@ class _Core:
         attempt, heard, since = 0, False, time.monotonic()
         while True:
             headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
-            if resume is not None:
+            if resume:  # an empty id (a stream's bare id:) means none, as EventSource has it
                 headers["Last-Event-ID"] = resume
             outcome = yield _Open("/v1/events", {"params": params, "headers": headers, "timeout": timeout})
             response = outcome if isinstance(outcome, httpx.Response) else None

@@ -763,7 +763,8 @@ export class LockClient {
           accept: "text/event-stream",
           "cache-control": "no-cache",
         };
-        if (resume !== null) headers["last-event-id"] = resume;
+        // An empty id (a stream's bare `id:`) means none, as EventSource has it.
+        if (resume !== null && resume !== "") headers["last-event-id"] = resume;
         // Opening waits no longer than what is left of `within`, nor than a silence.
         watchSilence(Math.max(Math.min(WATCH_SILENCE_MS, since + limitMs - now()), 1));
         const response = await this.#open("GET", target, headers, undefined, opened.signal);

@@ -26,8 +26,9 @@ const gone = new Set(requests.lock_gone_statuses);
 const statuses = [...new Set([...retried, ...unknownOutcome, ...gone, 400, 401, 408, 409, 413, 422, 500, 501, 505])].sort();
 
 /**
- * An HTTP server that answers each request with the next of `answers` ({ status, headers, body }),
- * and with `then` once they have run out; `seen` records every request.
+ * An HTTP server that answers each request with the next of `answers` ({ status, headers, body },
+ * body a problem's fields; or { status, headers, text }, sent as it is), and with `then` once they
+ * have run out; `seen` records every request.
  */
 async function scripted(answers, then = { status: 200, body: { id: 1, ok: true } }) {
   const script = { answers: [...answers], seen: [] };
@@ -36,7 +37,7 @@ async function scripted(answers, then = { status: 200, body: { id: 1, ok: true }
     request.on("end", () => {
       script.seen.push({ method: request.method, path: request.url, headers: request.headers, at: performance.now() });
       const answer = script.answers.shift() ?? then;
-      const body = JSON.stringify({ status: answer.status, ...answer.body });
+      const body = answer.text ?? JSON.stringify({ status: answer.status, ...answer.body });
       response.writeHead(answer.status, {
         "content-type": "application/problem+json",
         "content-length": Buffer.byteLength(body),
@@ -260,6 +261,34 @@ test("a watch opens its stream again after the contract's statuses and no others
     } finally {
       await server.close();
     }
+  }
+});
+
+test("an empty last event id is not sent", async () => {
+  assert.equal(contract.events.sends_empty_last_event_id, false);
+  const stream = { "content-type": "text/event-stream", "retry-after": "0" };
+  const server = await scripted([
+    { status: 200, headers: stream, text: 'id: 5\ndata: {"type": "acquired"}\n\nid\n\n' },
+    { status: 401, body: { type: "urn:helix-locks:problem:unauthenticated" } },
+  ]);
+  try {
+    const events = [];
+    const error = await raised(
+      (async () => {
+        for await (const event of server.client.watch({ lastEventId: "4", within: 5 })) events.push(event);
+      })(),
+    );
+    assert.deepEqual(
+      events.map((event) => event.id),
+      ["5"],
+    );
+    assert.ok(error instanceof ApiError && error.status === 401, String(error));
+    assert.deepEqual(
+      server.seen.map((seen) => seen.headers["last-event-id"]),
+      ["4", undefined],
+    );
+  } finally {
+    await server.close();
   }
 });
 
