@@ -218,6 +218,7 @@ def test_once_the_time_runs_out_a_429_is_its_api_error_and_the_others_unavailabl
     assert took < 2
     if status in UNKNOWN_OUTCOME:
         assert isinstance(error, Unavailable) and f"answered {status}" in str(error), repr(error)
+        assert (error.status, error.problem) == (status, {"status": status, "detail": "busy"})
     else:
         assert isinstance(error, ApiError), repr(error)
         assert (error.status, error.request_id, error.retry_after) == (status, "r-2", 0.1)

@@ -298,7 +298,10 @@ def test_a_watch_opens_its_stream_again_after_the_contract_s_statuses_and_no_oth
 
 def test_an_empty_last_event_id_is_not_sent(kind: str) -> None:
     assert EVENTS["sends_empty_last_event_id"] is False
-    answers: list[Stream | Refuse] = [Stream([frame(5), b"id\n\n"], end="cut"), Refuse(401, "unauthenticated")]
+    answers: list[Stream | Refuse] = [
+        Stream([frame(5), b"id\n\n"], end="cut"),
+        Refuse(401, "unauthenticated"),
+    ]
     with StandIn(answers) as stand_in:
         events, error = watch_until_error(kind, stand_in.url, last_event_id="4")
     assert [event["id"] for event in events] == ["5"]

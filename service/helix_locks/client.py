@@ -86,7 +86,14 @@ class ApiError(HelixError):
 
 
 class Unavailable(HelixError):
-    """The service could not be reached, or answered 503, until the retries ran out."""
+    """The service could not be reached, or answered 502, 503 or 504, until the retries ran out.
+
+    `status` is the last answer's status (0 when none came), `problem` its problem, if any."""
+
+    def __init__(self, message: str, status: int = 0, problem: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.problem = None if problem is None else dict(problem)
 
 
 class LockHeld(HelixError):
@@ -254,7 +261,7 @@ def _gave_up_on(base_url: str, took: float | None, response: httpx.Response, hol
     answered = f"{base_url} answered {response.status_code}"
     if took is not None:
         answered += f" for {took:.1f} s"
-    return Unavailable(f"{answered}: {said}" if said else answered)
+    return Unavailable(f"{answered}: {said}" if said else answered, response.status_code, problem)
 
 
 def backoff_seconds(attempt: int) -> float:

@@ -208,6 +208,7 @@ test("once the time runs out a 429 is its ApiError, and the others UnavailableEr
       assert.ok(performance.now() - started < 2000);
       if (unknownOutcome.has(status)) {
         assert.ok(error instanceof UnavailableError && error.message.includes(`answered ${status}`), String(error));
+        assert.deepEqual([error.status, error.problem], [status, { status, detail: "busy" }]);
       } else {
         assert.ok(error instanceof ApiError, String(error));
         assert.deepEqual([error.status, error.requestId, error.retryAfter], [status, "r-2", 0.1]);
