@@ -34,6 +34,9 @@ UNKNOWN_OUTCOME = set(REQUESTS["unknown_outcome_statuses"])
 GONE = set(REQUESTS["lock_gone_statuses"])
 # Every status the contract names, and others a service or a proxy may answer that it does not.
 STATUSES = sorted(RETRIED | UNKNOWN_OUTCOME | GONE | {400, 401, 408, 409, 413, 422, 500, 501, 505})
+# A 409 lock-held's body, and a grant's.
+HELD = {"type": "urn:helix-locks:problem:lock-held", "holder": "w", "expires_at": "soon"}
+GRANTED = {"id": 7, "organization_id": "acme", "job_type": "report", "fencing_token": 3, "token": "t"}
 
 
 @dataclass
@@ -142,20 +145,35 @@ def test_a_request_that_is_not_idempotent_is_sent_again_only_when_the_service_su
 
 
 def test_an_acquire_carries_one_idempotency_key_and_so_is_retried(kind: str) -> None:
-    granted = {
-        "id": 7,
-        "organization_id": "acme",
-        "job_type": "report",
-        "fencing_token": 3,
-        "token": "t",
-    }
     answers = [Answer(status, {"Retry-After": "0"}) for status in sorted(RETRIED)]
-    with scripted(kind, answers, Answer(201, body=granted)) as (server, client):
+    with scripted(kind, answers, Answer(201, body=GRANTED)) as (server, client):
         grant = client.acquire("acme", "report", ttl=30)
     assert grant.id == 7
     assert len(server.seen) == len(RETRIED) + 1
     keys = {seen.headers.get("idempotency-key") for seen in server.seen}
     assert len(keys) == 1 and None not in keys, "every attempt carries the same Idempotency-Key"
+
+
+def test_a_waiting_acquire_asks_again_after_the_backoff_at_most_retry_after(kind: str) -> None:
+    waiting = REQUESTS["waiting_acquire"]
+    assert waiting["pause"] == "backoff" and waiting["at_most_retry_after"]
+    held = Answer(409, {"Retry-After": "0.1"}, HELD)
+    with scripted(kind, [held] * 4, Answer(201, body=GRANTED)) as (server, client):
+        assert client.acquire("acme", "report", ttl=30, wait=10).id == 7
+    for attempt, gap in enumerate(server.gaps()):
+        expected = min(backoff_seconds(attempt), 0.1)
+        assert expected <= gap < expected * 1.5 + 0.25, f"pause {attempt}: {gap:.3f} s, not {expected} s"
+
+
+def test_a_waiting_acquire_asks_again_no_later_than_its_wait_ends(kind: str) -> None:
+    assert REQUESTS["waiting_acquire"]["at_most_wait_left"]
+    with scripted(kind, [], then=Answer(409, {"Retry-After": "5"}, HELD)) as (server, client):
+        started = time.monotonic()
+        error = raised(client.acquire, "acme", "report", ttl=30, wait=0.3)
+        took = time.monotonic() - started
+    assert isinstance(error, LockHeld)
+    assert 0.3 <= took < 0.8, f"gave up after {took:.2f} s of a 0.3 s wait"
+    assert len(server.seen) >= 3, "asked again within the wait"
 
 
 @pytest.mark.parametrize("status", sorted(GONE | {400, 409, 422}))
@@ -225,10 +243,9 @@ def test_once_the_time_runs_out_a_429_is_its_api_error_and_the_others_unavailabl
 
 
 def test_an_api_error_and_a_lock_held_carry_the_request_id(kind: str) -> None:
-    held = {"type": "urn:helix-locks:problem:lock-held", "holder": "w", "expires_at": "soon"}
     answers = [
         Answer(401, {"X-Request-Id": "r-3"}, {"detail": "no key"}),
-        Answer(409, {"X-Request-Id": "r-4", "Retry-After": "3"}, held),
+        Answer(409, {"X-Request-Id": "r-4", "Retry-After": "3"}, HELD),
     ]
     with scripted(kind, answers) as (_, client):
         refused = raised(client.get, 1)

@@ -612,6 +612,7 @@ class _Core:
         body = _acquire_body(organization_id, job_type, ttl, holder, metadata, max_holders)
         headers = {"Idempotency-Key": uuid.uuid4().hex}  # so that a retry never locks us out
         give_up = time.monotonic() + wait
+        rounds = 0
         while True:
             waiting = _wait_round(body, give_up)
             started = time.monotonic()
@@ -627,9 +628,15 @@ class _Core:
                     timeout=self.timeout + waiting if self.timeout else None,
                 )
                 return (yield from self._confirmed(_grant(response.json(), ttl, started)))
-            except LockHeld:
-                if time.monotonic() >= give_up:
+            except LockHeld as held:
+                left = give_up - time.monotonic()
+                if left <= 0:
                     raise
+                # The service waited as long as it would (a round ends at its 60 s): ask again
+                # soon, but never in a tight loop against one that answers 409 at once (a service
+                # without waiting, a proxy), and never past the wait.
+                yield _Pause(min(backoff_seconds(rounds), held.retry_after, left))
+                rounds += 1
 
     def _renew(self, lock_id: int, token: str, ttl: float, within: float) -> Flow[dict[str, Any]]:
         response = yield from self._send(

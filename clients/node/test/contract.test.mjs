@@ -24,6 +24,9 @@ const unknownOutcome = new Set(requests.unknown_outcome_statuses);
 const gone = new Set(requests.lock_gone_statuses);
 // Every status the contract names, and others a service or a proxy may answer that it does not.
 const statuses = [...new Set([...retried, ...unknownOutcome, ...gone, 400, 401, 408, 409, 413, 422, 500, 501, 505])].sort();
+// A 409 lock-held's body, and a grant's.
+const held = { type: "urn:helix-locks:problem:lock-held", holder: "w", expires_at: "soon" };
+const granted = { id: 7, organization_id: "acme", job_type: "report", holder: "w", fencing_token: 3, token: "t" };
 
 /**
  * An HTTP server that answers each request with the next of `answers` ({ status, headers, body },
@@ -108,7 +111,6 @@ test("a request that is not idempotent is sent again only when the service surel
 });
 
 test("an acquire carries one Idempotency-Key and so is retried", async () => {
-  const granted = { id: 7, organization_id: "acme", job_type: "report", holder: "w", fencing_token: 3, token: "t" };
   const answers = [...retried].map((status) => ({ status, headers: { "retry-after": "0" } }));
   const server = await scripted(answers, { status: 201, body: granted });
   try {
@@ -117,6 +119,40 @@ test("an acquire carries one Idempotency-Key and so is retried", async () => {
     assert.equal(server.seen.length, retried.size + 1);
     const keys = new Set(server.seen.map((seen) => seen.headers["idempotency-key"]));
     assert.ok(keys.size === 1 && !keys.has(undefined), "every attempt carries the same Idempotency-Key");
+  } finally {
+    await server.close();
+  }
+});
+
+test("a waiting acquire asks again after the backoff, at most Retry-After", async () => {
+  const waiting = requests.waiting_acquire;
+  assert.ok(waiting.pause === "backoff" && waiting.at_most_retry_after);
+  const server = await scripted(Array(4).fill({ status: 409, headers: { "retry-after": "0.1" }, body: held }), {
+    status: 201,
+    body: granted,
+  });
+  try {
+    const grant = await server.client.acquire({ organizationId: "acme", jobType: "report", ttl: 30, wait: 10 });
+    assert.equal(grant.id, 7);
+    server.gaps().forEach((gap, attempt) => {
+      const expected = Math.min(backoffMs(attempt) / 1000, 0.1);
+      assert.ok(gap >= expected - 0.002 && gap < expected * 1.5 + 0.25, `pause ${attempt}: ${gap} s, not ${expected} s`);
+    });
+  } finally {
+    await server.close();
+  }
+});
+
+test("a waiting acquire asks again no later than its wait ends", async () => {
+  assert.ok(requests.waiting_acquire.at_most_wait_left);
+  const server = await scripted([], { status: 409, headers: { "retry-after": "5" }, body: held });
+  try {
+    const started = performance.now();
+    const error = await raised(server.client.acquire({ organizationId: "acme", jobType: "report", ttl: 30, wait: 0.3 }));
+    const took = (performance.now() - started) / 1000;
+    assert.ok(error instanceof LockHeldError, String(error));
+    assert.ok(took >= 0.3 - 0.002 && took < 0.8, `gave up after ${took} s of a 0.3 s wait`);
+    assert.ok(server.seen.length >= 3, "asked again within the wait");
   } finally {
     await server.close();
   }
@@ -220,7 +256,6 @@ test("once the time runs out a 429 is its ApiError, and the others UnavailableEr
 });
 
 test("an ApiError and a LockHeldError carry the request id", async () => {
-  const held = { type: "urn:helix-locks:problem:lock-held", holder: "w", expires_at: "soon" };
   const server = await scripted([
     { status: 401, headers: { "x-request-id": "r-3" }, body: { detail: "no key" } },
     { status: 409, headers: { "x-request-id": "r-4", "retry-after": "3" }, body: held },
