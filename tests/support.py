@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import pytest
@@ -301,7 +301,31 @@ class Route:
 ROUTE = Route()
 
 
-class LyingProxy:
+class QuietHandler(BaseHTTPRequestHandler):
+    """A request handler that logs nothing to stderr."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class LocalServer:
+    """A handler class served on a free port of 127.0.0.1, from a thread, for a with block."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> Self:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class LyingProxy(LocalServer):
     """An HTTP front for a service: it forwards every request, but answers 503 in place of the
     service's answer to the first request matching each lie (method, path prefix). The request
     took effect; its client was told it did not, as when a 503 came while the statement ran on.
@@ -318,7 +342,7 @@ class LyingProxy:
         self.arrived: list[tuple[str, str, float]] = []  # (method, path, time.monotonic() on arrival)
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def _forward(self) -> None:
                 proxy.arrived.append((self.command, self.path, time.monotonic()))
                 length = int(self.headers.get("content-length") or 0)
@@ -358,20 +382,7 @@ class LyingProxy:
 
             do_GET = do_POST = do_DELETE = do_PATCH = _forward
 
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> LyingProxy:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler)
 
 
 @asynccontextmanager

@@ -88,6 +88,27 @@ def test_the_node_client_suite_passes_against_a_real_service(
     }, output
 
 
+def test_the_node_client_keeps_the_clients_contract(node_client: Path) -> None:
+    """clients/node/test/contract.test.mjs, which needs no service (it scripts a small HTTP
+    server of its own): the same clients/contract.json as tests/test_contract.py checks."""
+    path = node_client / "test" / "contract.test.mjs"
+    done = subprocess.run(
+        ["node", "--test", str(path)],
+        cwd=node_client,
+        env=_inherited({}),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    output = f"{done.stdout}\n{done.stderr}"
+    assert done.returncode == 0, output
+    contract = json.loads((node_client.parent / "contract.json").read_text(encoding="utf-8"))
+    # One test per test( line, and one per event stream case: none left out, none skipped.
+    declared = str(len(re.findall(r"^test\(", path.read_text(), re.M)) + len(contract["sse"]))
+    summary = dict(re.findall(r"^# (tests|pass|skipped|todo) (\d+)$", done.stdout, re.M))
+    assert summary == {"tests": declared, "pass": declared, "skipped": "0", "todo": "0"}, output
+
+
 # The Python SDK's racer: the same loop as clients/node/test/race-worker.mjs, recording the same lines.
 PYTHON_RACER = """
 import json, sys, time

@@ -274,6 +274,42 @@ def test_a_watch_resumes_after_a_cut_a_503_and_an_end_missing_and_repeating_noth
     assert waited >= 0.95, f"Retry-After: 1 was not honoured ({waited:.2f} s)"
 
 
+EVENTS = json.loads((ROOT / "clients" / "contract.json").read_text(encoding="utf-8"))["events"]
+WATCH_RETRIED = EVENTS["retry_statuses"]
+
+
+@pytest.mark.parametrize("status", sorted({*WATCH_RETRIED, 400, 401, 403, 404, 409, 410, 422, 500, 501}))
+def test_a_watch_opens_its_stream_again_after_the_contract_s_statuses_and_no_others(
+    kind: str, status: int
+) -> None:
+    answers = [
+        Refuse(status, "refused", {"Retry-After": "0", "X-Request-Id": "r-1"}),
+        Refuse(401, "unauthenticated"),
+    ]
+    with StandIn(answers) as stand_in:
+        events, error = watch_until_error(kind, stand_in.url)
+    assert events == []
+    assert isinstance(error, ApiError)
+    if status in WATCH_RETRIED:
+        assert (error.status, len(stand_in.seen)) == (401, 2), f"{status} did not open the stream again"
+    else:
+        assert (error.status, len(stand_in.seen)) == (status, 1), f"{status} opened the stream again"
+        assert (error.request_id, error.retry_after) == ("r-1", 0)
+
+
+def test_an_empty_last_event_id_is_not_sent(kind: str) -> None:
+    assert EVENTS["sends_empty_last_event_id"] is False
+    answers: list[Stream | Refuse] = [
+        Stream([frame(5), b"id\n\n"], end="cut"),
+        Refuse(401, "unauthenticated"),
+    ]
+    with StandIn(answers) as stand_in:
+        events, error = watch_until_error(kind, stand_in.url, last_event_id="4")
+    assert [event["id"] for event in events] == ["5"]
+    assert isinstance(error, ApiError) and error.status == 401
+    assert [seen.headers.get("last-event-id") for seen in stand_in.seen] == ["4", None]
+
+
 @pytest.mark.parametrize("status", [401, 403, 422])
 def test_a_refusal_ends_the_watch_at_once(kind: str, status: int) -> None:
     with StandIn([Refuse(status, "unauthenticated")]) as stand_in:

@@ -19,11 +19,13 @@ have lapsed by this process's own monotonic clock: renewals that keep failing ne
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import getpass
 import json
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -37,10 +39,19 @@ import httpx
 from helix_locks.results import Acquired, Lock, LockEvent, LockState, Page, Renewed
 
 DEFAULT_URL = "http://127.0.0.1:8080"
+# The retry policy is clients/contract.json's, which the Node client follows too (docs/workers.md).
 # Statuses that mean the lock is no longer ours, whatever we do.
 GONE = (403, 404, 410)
+# Statuses after which a request is sent again, after Retry-After when given, within its time
+# limit: the service did nothing (429), or a proxy or a restarting replica answered (502, 503, 504).
+RETRIED = (429, 502, 503, 504)
+# Of those, the ones that may come after the service acted: sent again only if the request is
+# idempotent (every request this SDK sends is; a POST without an Idempotency-Key would not be),
+# and once the time limit is reached, Unavailable. A 429 that lasts is raised as ApiError.
+UNKNOWN_OUTCOME = (502, 503, 504)
 # A lease is given up this long before it would lapse by our clock (network and clock skew).
 SAFETY_FRACTION = 0.1
+FIRST_BACKOFF_SECONDS = 0.05
 MAX_BACKOFF_SECONDS = 2.0
 # The service sends a keep-alive comment at least every 15 s: a watch that hears nothing for three
 # of them takes its stream for dead and opens another.
@@ -67,12 +78,23 @@ class ApiError(HelixError):
     """The service answered with a problem the SDK does not turn into something more specific.
 
     Its message is the problem's detail, then each entry of its `errors` (a refused field and
-    the rule it broke) on a line of its own."""
+    the rule it broke) on a line of its own. `request_id` is the answer's X-Request-Id, which the
+    service's log line carries too; `retry_after` its Retry-After in seconds, when it had one that
+    reads as a number."""
 
-    def __init__(self, status: int, problem: Mapping[str, Any], message: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        problem: Mapping[str, Any],
+        request_id: str | None = None,
+        retry_after: float | None = None,
+        message: str | None = None,
+    ) -> None:
         super().__init__(message or _describe(status, problem))
         self.status = status
         self.problem = dict(problem)
+        self.request_id = request_id
+        self.retry_after = retry_after
 
 
 class NotHelixLocks(ApiError):
@@ -90,8 +112,16 @@ def _describe(status: int, problem: Mapping[str, Any]) -> str:
 
 
 class Unavailable(HelixError):
-    """The service could not be reached, or answered 503, until the retries ran out. The message
-    says why: the connection was refused, the host's name does not resolve, or no answer came."""
+    """The service could not be reached, or answered 502, 503 or 504, until the retries ran out.
+    The message says why: the connection was refused, the host's name does not resolve, or no
+    answer came, or which answer.
+
+    `status` is the last answer's status (0 when none came), `problem` its problem, if any."""
+
+    def __init__(self, message: str, status: int = 0, problem: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.problem = None if problem is None else dict(problem)
 
 
 class InvalidURL(HelixError, ValueError):
@@ -106,8 +136,9 @@ class LockHeld(HelixError):
     lists at most 20 held locks (`lock_id`, `holder`, `slot`, `expires_at`), those whose leases run
     out first; `holders_total` counts them all; `max_holders` is their number of slots."""
 
-    def __init__(self, problem: Mapping[str, Any], retry_after: float) -> None:
+    def __init__(self, problem: Mapping[str, Any], retry_after: float, request_id: str | None = None) -> None:
         super().__init__(f"held by {problem.get('holder')} until {problem.get('expires_at')}")
+        self.request_id = request_id
         self.lock_id: int | None = problem.get("lock_id")
         self.holder: str | None = problem.get("holder")
         self.expires_at: str | None = problem.get("expires_at")
@@ -127,8 +158,8 @@ class MaxHoldersMismatch(ApiError):
     max-holders-mismatch): a configuration error, which waiting does not cure. `max_holders` is
     the value in force."""
 
-    def __init__(self, problem: Mapping[str, Any]) -> None:
-        super().__init__(409, problem)
+    def __init__(self, problem: Mapping[str, Any], request_id: str | None = None) -> None:
+        super().__init__(409, problem, request_id)
         self.max_holders: int | None = problem.get("max_holders")
 
 
@@ -173,11 +204,20 @@ def default_holder() -> str:
     return f"{getpass.getuser()}@{socket.gethostname()}:{os.getpid()}"
 
 
+# Retry-After as delay-seconds, with a fraction allowed; an HTTP date, a sign, hex, an exponent or
+# infinity is not read (float() would take the last three), as in the Node client.
+_DELAY_SECONDS = re.compile(r"[ \t]*([0-9]+(?:\.[0-9]+)?)[ \t]*")
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A Retry-After header's seconds, or None when it has none that reads as a number."""
+    found = _DELAY_SECONDS.fullmatch(value) if value is not None else None
+    return float(found.group(1)) if found else None
+
+
 def _retry_after(response: httpx.Response, fallback: float) -> float:
-    try:
-        return max(0.0, float(response.headers.get("retry-after", fallback)))
-    except ValueError:
-        return fallback
+    given = retry_after_seconds(response.headers.get("retry-after"))
+    return fallback if given is None else given
 
 
 def _problem(response: httpx.Response) -> dict[str, Any]:
@@ -196,6 +236,8 @@ def _not_helix_locks(base_url: str, response: httpx.Response, problem: Mapping[s
     return NotHelixLocks(
         response.status_code,
         problem,
+        response.headers.get("x-request-id"),
+        retry_after_seconds(response.headers.get("retry-after")),
         f"{base_url} does not look like a Helix Locks service: {request.method} {request.url.path}"
         f" answered {answered}{hint}",
     )
@@ -208,36 +250,42 @@ def _not_here(response: httpx.Response, problem: Mapping[str, Any]) -> bool:
     return response.status_code in NOT_HERE and (not str(kind).startswith(URN) or kind in NO_ROUTE)
 
 
-def _api_error(response: httpx.Response, base_url: str) -> ApiError:
-    """A refusal the SDK gives no meaning of its own (a watch's): NotHelixLocks, or ApiError."""
-    problem = _problem(response)
-    if _not_here(response, problem):
-        return _not_helix_locks(base_url, response, problem)
-    return ApiError(response.status_code, problem)
-
-
 def _raise_for(response: httpx.Response, holding: bool, base_url: str) -> None:
     """Problems as exceptions; `holding`: the request acts on a lock we hold (renew, release)."""
-    if response.status_code < 400:
-        return
+    if response.status_code >= 400:
+        raise _error_for(response, holding, base_url)
+
+
+def _error_for(response: httpx.Response, holding: bool, base_url: str) -> HelixError:
     problem = _problem(response)
     if _not_here(response, problem):
         # Before the 404 of a held lock: a lease is not lost to an answer of another server.
-        raise _not_helix_locks(base_url, response, problem)
+        return _not_helix_locks(base_url, response, problem)
+    request_id = response.headers.get("x-request-id")
     if response.status_code == 409 and problem.get("type") == MISMATCH:
-        raise MaxHoldersMismatch(problem)
+        return MaxHoldersMismatch(problem, request_id)
     if response.status_code == 409:
-        raise LockHeld(problem, _retry_after(response, 1.0))
+        return LockHeld(problem, _retry_after(response, 1.0), request_id)
     if response.status_code == 410 or (holding and response.status_code in GONE):
-        raise LockLost(f"{response.status_code}: {problem.get('detail', '')}".strip(), problem)
-    raise ApiError(response.status_code, problem)
+        return LockLost(f"{response.status_code}: {problem.get('detail', '')}".strip(), problem)
+    return _api_error(response, base_url, problem)
+
+
+def _api_error(response: httpx.Response, base_url: str, problem: Mapping[str, Any] | None = None) -> ApiError:
+    """A refusal the SDK gives no meaning of its own (a watch's, say): NotHelixLocks, or ApiError."""
+    problem = _problem(response) if problem is None else problem
+    if _not_here(response, problem):
+        return _not_helix_locks(base_url, response, problem)
+    retry_after = retry_after_seconds(response.headers.get("retry-after"))
+    request_id = response.headers.get("x-request-id")
+    return ApiError(response.status_code, problem, request_id, retry_after)
 
 
 def _is_retryable(error: BaseException | None, response: httpx.Response | None, idempotent: bool) -> bool:
-    """Network trouble or 503. A request that is not idempotent (a POST without an
-    Idempotency-Key) is re-sent only if it surely never reached the service."""
+    """Network trouble or a status of RETRIED. A request that is not idempotent (a POST without
+    an Idempotency-Key) is re-sent only if it surely did nothing: a refused connection, or 429."""
     if response is not None:
-        return response.status_code == 503
+        return response.status_code in RETRIED and (idempotent or response.status_code not in UNKNOWN_OUTCOME)
     if isinstance(error, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
         return True
     return idempotent and isinstance(error, httpx.TransportError)
@@ -297,8 +345,26 @@ def _gave_up(base_url: str, within: float, error: BaseException | None) -> Unava
     return Unavailable(f"no answer from {base_url} within {within:.1f} s{last}")
 
 
+def _gave_up_on(base_url: str, took: float | None, response: httpx.Response, holding: bool) -> HelixError:
+    """The error for an answer of RETRIED not retried (any more), after `took` seconds of
+    retries: a 429's own ApiError (the refusal stands), else Unavailable (the outcome is unknown)."""
+    if response.status_code not in UNKNOWN_OUTCOME:
+        return _error_for(response, holding, base_url)
+    problem = _problem(response)
+    said = problem.get("detail") or problem.get("title")
+    answered = f"{base_url} answered {response.status_code}"
+    if took is not None:
+        answered += f" for {took:.1f} s"
+    return Unavailable(f"{answered}: {said}" if said else answered, response.status_code, problem)
+
+
+def backoff_seconds(attempt: int) -> float:
+    """The pause before retry `attempt` (from 0) when the answer gave no Retry-After."""
+    return min(MAX_BACKOFF_SECONDS, FIRST_BACKOFF_SECONDS * 2.0**attempt)
+
+
 def _backoff(attempt: int, response: httpx.Response | None) -> float:
-    pause = min(MAX_BACKOFF_SECONDS, 0.05 * 2**attempt)
+    pause = backoff_seconds(attempt)
     return _retry_after(response, pause) if response is not None else pause
 
 
@@ -381,8 +447,13 @@ class ServerEvent:
     id: str | None
 
 
+# Only CRLF, LF and CR end a line of an event stream (str.splitlines would split at U+2028 too).
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
 class EventDecoder:
-    """Server-Sent Events, line by line, as the WHATWG HTML standard parses them (sans I/O).
+    """Server-Sent Events, as the WHATWG HTML standard parses them (sans I/O): the body's chunks
+    in (feed_chunk), or its lines (feed), events out.
 
     An id counts once its event is dispatched: a stream cut in the middle of an event resumes from
     the event before it, so that the cut one is sent again."""
@@ -394,12 +465,41 @@ class EventDecoder:
         self._event = ""
         self._data: list[str] = []
         self._first = True
+        # UTF-8 whatever the charset says; a BOM is kept here and dropped once, as text.
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._buffer = ""
+        self._skip_line_feed = False  # the previous piece ended with a CR
+
+    def feed_chunk(self, chunk: bytes | str) -> list[ServerEvent]:
+        """Take a piece of the body as it arrived; return the events it completes."""
+        text = self._utf8.decode(chunk) if isinstance(chunk, bytes) else chunk
+        if not text:
+            return []  # bytes that decoded to nothing yet: a CR before them still waits for its LF
+        if self._first:
+            self._first = False
+            text = text.removeprefix("\ufeff")
+        if self._skip_line_feed:
+            self._skip_line_feed = False
+            text = text.removeprefix("\n")  # the second half of a CRLF that a piece ended inside
+        self._buffer += text
+        events = []
+        start = 0
+        for end in _LINE_END.finditer(self._buffer):
+            if (sent := self._line(self._buffer[start : end.start()])) is not None:
+                events.append(sent)
+            start = end.end()
+        self._skip_line_feed = self._buffer.endswith("\r")
+        self._buffer = self._buffer[start:]
+        return events
 
     def feed(self, line: str) -> ServerEvent | None:
         """Take one line (without its end); return the event that a blank line completes."""
         if self._first:
             self._first = False
             line = line.removeprefix("\ufeff")
+        return self._line(line)
+
+    def _line(self, line: str) -> ServerEvent | None:
         if not line:
             return self._dispatch()
         if line.startswith(":"):
@@ -547,9 +647,9 @@ class _Open:
 
 
 @dataclass(frozen=True)
-class _ReadLine:
-    """The open stream's next line, for the driver to read: the flow is sent the line (without
-    its end), None when the stream ended, or the TransportError that cut it."""
+class _ReadChunk:
+    """The open stream's next piece, for the driver to read: the flow is sent the bytes as they
+    came, None when the stream ended, or the TransportError that cut it."""
 
 
 @dataclass(frozen=True)
@@ -566,9 +666,9 @@ _Outcome = httpx.Response | httpx.TransportError | None
 # the same way). LockClient drives them with httpx.Client and time.sleep, AsyncLockClient with
 # httpx.AsyncClient and asyncio.sleep; neither decides anything.
 Flow = Generator[_Call | _Pause, _Outcome, T]
-# A watch is a flow too, one that never returns: it opens a stream, reads its lines, hands out
+# A watch is a flow too, one that never returns: it opens a stream, reads its pieces, hands out
 # its events, and opens it again after a cut.
-WatchFlow = Generator[_Open | _ReadLine | _Pause | _Emit, _Outcome | str, None]
+WatchFlow = Generator[_Open | _ReadChunk | _Pause | _Emit, _Outcome | bytes, None]
 
 
 class _Core:
@@ -590,14 +690,16 @@ class _Core:
         holding: bool = False,
         **kwargs: Any,
     ) -> Flow[httpx.Response]:
-        """One request, retried on network trouble and 503 for at most `within` seconds; a refused
-        connection or a name that does not resolve for at most `refused_within` (by default, until
-        the service has answered this client once, REFUSED_WITHIN_SECONDS: a wrong address is
-        said at once, a service that answered before and refuses now is restarting)."""
+        """One request, retried on network trouble and the statuses of RETRIED for at most
+        `within` seconds; a refused connection or a name that does not resolve for at most
+        `refused_within` (by default, until the service has answered this client once,
+        REFUSED_WITHIN_SECONDS: a wrong address is said at once, a service that answered before
+        and refuses now is restarting)."""
         if refused_within is None:
             refused_within = within if self._heard else REFUSED_WITHIN_SECONDS
-        deadline = time.monotonic() + within
-        refused_deadline = min(deadline, time.monotonic() + refused_within)
+        started = time.monotonic()
+        deadline = started + within
+        refused_deadline = min(deadline, started + refused_within)
         idempotent = method != "POST" or holding or "Idempotency-Key" in kwargs.get("headers", {})
         attempt = 0
         while True:
@@ -609,10 +711,14 @@ class _Core:
                 if error is not None:
                     raise Unavailable(str(error)) from error
                 assert response is not None
+                if response.status_code in UNKNOWN_OUTCOME:  # of a request that is not idempotent
+                    raise _gave_up_on(self.base_url, None, response, holding)
                 _raise_for(response, holding, self.base_url)
                 return response
             pause = _backoff(attempt, response)
             if time.monotonic() + pause > (refused_deadline if _nothing_there(error) else deadline):
+                if response is not None:
+                    raise _gave_up_on(self.base_url, time.monotonic() - started, response, holding)
                 raise _gave_up(self.base_url, within, error) from error
             yield _Pause(pause)
             attempt += 1
@@ -630,6 +736,7 @@ class _Core:
         body = _acquire_body(organization_id, job_type, ttl, holder, metadata, max_holders)
         headers = {"Idempotency-Key": uuid.uuid4().hex}  # so that a retry never locks us out
         give_up = time.monotonic() + wait
+        rounds = 0
         while True:
             waiting = _wait_round(body, give_up)
             started = time.monotonic()
@@ -645,9 +752,15 @@ class _Core:
                     timeout=self.timeout + waiting if self.timeout else None,
                 )
                 return (yield from self._confirmed(_grant(response.json(), ttl, started)))
-            except LockHeld:
-                if time.monotonic() >= give_up:
+            except LockHeld as held:
+                left = give_up - time.monotonic()
+                if left <= 0:
                     raise
+                # The service waited as long as it would (a round ends at its 60 s): ask again
+                # soon, but never in a tight loop against one that answers 409 at once (a service
+                # without waiting, a proxy), and never past the wait.
+                yield _Pause(min(backoff_seconds(rounds), held.retry_after, left))
+                rounds += 1
 
     def _renew(self, lock_id: int, token: str, ttl: float, within: float) -> Flow[Renewed]:
         response = yield from self._send(
@@ -724,11 +837,11 @@ class _Core:
         params = {name: value for name, value in query.items() if value is not None}
         timeout = httpx.Timeout(self.timeout, read=max(WATCH_READ_SECONDS, self.timeout or 0))
         limit = math.inf if within is None else within
-        resume, retry = last_event_id, 0.0
+        resume, retry = last_event_id, 0.0  # retry: the reconnection time the streams set
         attempt, heard, since = 0, False, time.monotonic()
         while True:
             headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
-            if resume is not None:
+            if resume:  # an empty id (a stream's bare id:) means none, as EventSource has it
                 headers["Last-Event-ID"] = resume
             outcome = yield _Open("/v1/events", {"params": params, "headers": headers, "timeout": timeout})
             response = outcome if isinstance(outcome, httpx.Response) else None
@@ -740,15 +853,16 @@ class _Core:
                         f"{self.base_url} does not look like a Helix Locks service: GET /v1/events"
                         f" answered {kind or 'no'} type, not text/event-stream"
                     )
-                    raise NotHelixLocks(200, {"detail": said}, said)
+                    raise NotHelixLocks(200, {"detail": said}, message=said)
                 decoder = EventDecoder(resume)
-                while isinstance(line := (yield _ReadLine()), str):
+                while isinstance(chunk := (yield _ReadChunk()), bytes):
                     # Anything heard, a keep-alive included, says the service is there again.
                     attempt, heard, since = 0, True, time.monotonic()
-                    if (sent := decoder.feed(line)) is not None:
+                    for sent in decoder.feed_chunk(chunk):
                         yield _Emit(_watch_event(sent))
-                resume, retry = decoder.last_event_id, decoder.retry or retry
-                error = line if isinstance(line, httpx.TransportError) else None
+                resume = decoder.last_event_id
+                retry = retry if decoder.retry is None else decoder.retry
+                error = chunk if isinstance(chunk, httpx.TransportError) else None
             elif response is not None and response.status_code not in WATCH_RETRIED:
                 raise _api_error(response, self.base_url)
             pause = max(_backoff(attempt, response), retry)
@@ -901,8 +1015,8 @@ class LockClient(_Core):
         be opened for `within` seconds (None: never give up); ApiError on a refusal."""
         flow = self._watch(organization_id, job_type, last_event_id, within)
         with contextlib.ExitStack() as stream:
-            lines: Iterator[str] | None = None
-            sent: _Outcome | str = None
+            chunks: Iterator[bytes] | None = None
+            sent: _Outcome | bytes = None
             while True:
                 step = flow.send(sent)
                 sent = None
@@ -916,18 +1030,18 @@ class LockClient(_Core):
                         response = stream.enter_context(self.http.stream("GET", step.path, **step.kwargs))
                         if response.status_code != 200:
                             response.read()
-                        lines, sent = response.iter_lines(), response
+                        chunks, sent = response.iter_bytes(), response
                     except httpx.TransportError as exc:
                         sent = exc
                 else:
-                    assert lines is not None  # a line is asked for only from an open stream
+                    assert chunks is not None  # a piece is asked for only from an open stream
                     try:
-                        sent = next(lines)
+                        sent = next(chunks)
                     except StopIteration:
                         sent = None
                     except httpx.TransportError as exc:
                         sent = exc
-                    if not isinstance(sent, str):
+                    if not isinstance(sent, bytes):
                         stream.close()
 
     @contextlib.contextmanager
@@ -1064,8 +1178,8 @@ class AsyncLockClient(_Core):
         finalized; `contextlib.aclosing(client.watch(...))` closes it at once."""
         flow = self._watch(organization_id, job_type, last_event_id, within)
         async with contextlib.AsyncExitStack() as stream:
-            lines: AsyncIterator[str] | None = None
-            sent: _Outcome | str = None
+            chunks: AsyncIterator[bytes] | None = None
+            sent: _Outcome | bytes = None
             while True:
                 step = flow.send(sent)
                 sent = None
@@ -1081,18 +1195,18 @@ class AsyncLockClient(_Core):
                         )
                         if response.status_code != 200:
                             await response.aread()
-                        lines, sent = response.aiter_lines(), response
+                        chunks, sent = response.aiter_bytes(), response
                     except httpx.TransportError as exc:
                         sent = exc
                 else:
-                    assert lines is not None  # a line is asked for only from an open stream
+                    assert chunks is not None  # a piece is asked for only from an open stream
                     try:
-                        sent = await anext(lines)
+                        sent = await anext(chunks)
                     except StopAsyncIteration:
                         sent = None
                     except httpx.TransportError as exc:
                         sent = exc
-                    if not isinstance(sent, str):
+                    if not isinstance(sent, bytes):
                         await stream.aclose()
 
     @contextlib.asynccontextmanager

@@ -13,6 +13,7 @@ import {
   MaxHoldersMismatchError,
   UnavailableError,
 } from "./errors.js";
+import { backoffMs as pauseMs, GONE, RETRIED, retryAfterSeconds, UNKNOWN_OUTCOME, WATCH_RETRIED } from "./retry.js";
 import { EventStreamDecoder, type ServerEvent } from "./sse.js";
 import type {
   AcquireOptions,
@@ -30,12 +31,9 @@ import type {
 } from "./types.js";
 
 const DEFAULT_URL = "http://127.0.0.1:8080";
-/** Statuses that mean the lock is no longer ours, whatever we do. */
-const GONE = new Set([403, 404, 410]);
 /** A lease is given up this long before it would lapse by our clock (network and clock skew). */
 const SAFETY_FRACTION = 0.1;
 const MIN_SAFETY_MS = 100;
-const MAX_BACKOFF_MS = 2000;
 /** The largest answer read: a full listing page is far smaller. Larger is an ApiError. */
 const MAX_ANSWER_BYTES = 32 * 1024 * 1024;
 /** setTimeout's limit, in seconds: a longer `timeout` would fire at once. */
@@ -43,13 +41,9 @@ const MAX_TIMEOUT_SECONDS = 2_147_483;
 /** How long an acquire retries a refused connection: a restarting service takes longer, but a
  * worker pointed at the wrong address should hear so at once. */
 const REFUSED_WITHIN_MS = 1000;
-/** Statuses retried (with the same Idempotency-Key, for an acquire): the outcome is unknown. */
-const RETRIED = new Set([502, 503, 504]);
 /** The service sends a keep-alive at least every 15 s: a watch that hears nothing for three of
  * them takes its stream for dead and opens another. */
 const WATCH_SILENCE_MS = 45_000;
-/** Statuses after which a watch opens its stream again; any other refusal ends it. */
-const WATCH_RETRIED = new Set([429, 502, 503, 504]);
 const PROBLEM = "urn:helix-locks:problem:";
 
 const now = (): number => performance.now();
@@ -215,14 +209,12 @@ function timeoutError(message: string): Error {
 }
 
 function retryAfterMs(headers: AnswerHeaders | undefined, fallbackMs: number): number {
-  const given = headers?.get("retry-after");
-  if (given === null || given === undefined || given.trim() === "") return fallbackMs;
-  const seconds = Number(given);
-  return Number.isFinite(seconds) && seconds >= 0 ? seconds * 1000 : fallbackMs;
+  const seconds = retryAfterSeconds(headers?.get("retry-after"));
+  return seconds === null ? fallbackMs : seconds * 1000;
 }
 
 function backoffMs(attempt: number, answer: Answer | null): number {
-  const pause = Math.min(MAX_BACKOFF_MS, 50 * 2 ** attempt);
+  const pause = pauseMs(attempt);
   return answer === null ? pause : retryAfterMs(answer.headers, pause);
 }
 
@@ -251,8 +243,14 @@ function raiseFor(answer: Answer, holding: boolean): void {
     const detail = problem.detail ?? problem.title ?? "";
     throw new LockLostError(`${answer.status}: ${detail}`.trim(), { problem });
   }
-  const retryAfter = answer.headers.has("retry-after") ? retryAfterMs(answer.headers, 0) / 1000 : null;
-  throw new ApiError(answer.status, problem, { requestId, retryAfter });
+  throw apiError(answer);
+}
+
+/** The answer as an ApiError, whatever its status. */
+function apiError(answer: Answer): ApiError {
+  const requestId = answer.headers.get("x-request-id");
+  const retryAfter = retryAfterSeconds(answer.headers.get("retry-after"));
+  return new ApiError(answer.status, answer.body as Problem, { requestId, retryAfter });
 }
 
 /** An acquired lock: what the service granted, and the token that proves ownership. */
@@ -647,7 +645,7 @@ export class LockClient {
         if (!(error instanceof LockHeldError) || now() >= giveUp) throw error;
         // The service waited as long as it would (a round ends at its 60 s): ask again soon, but
         // never in a tight loop against one that answers 409 at once, and never past the wait.
-        const pause = Math.min(50 * 2 ** round, MAX_BACKOFF_MS, error.retryAfter * 1000, giveUp - now());
+        const pause = Math.min(pauseMs(round), error.retryAfter * 1000, giveUp - now());
         round += 1;
         await sleep(Math.max(pause, 0), signal);
       }
@@ -765,13 +763,15 @@ export class LockClient {
           accept: "text/event-stream",
           "cache-control": "no-cache",
         };
-        if (resume !== null) headers["last-event-id"] = resume;
+        // An empty id (a stream's bare `id:`) means none, as EventSource has it.
+        if (resume !== null && resume !== "") headers["last-event-id"] = resume;
         // Opening waits no longer than what is left of `within`, nor than a silence.
         watchSilence(Math.max(Math.min(WATCH_SILENCE_MS, since + limitMs - now()), 1));
         const response = await this.#open("GET", target, headers, undefined, opened.signal);
         if (response.statusCode !== 200) {
           refusal = await this.#read(response);
-          if (!WATCH_RETRIED.has(refusal.status)) raiseFor(refusal, false);
+          // A refusal of the stream is an ApiError: its 410 is events-expired, not a lost lock.
+          if (!WATCH_RETRIED.has(refusal.status)) throw apiError(refusal);
         } else {
           const kind = response.headers["content-type"] ?? "";
           if (!kind.startsWith("text/event-stream")) {
@@ -826,13 +826,18 @@ export class LockClient {
   }
 
   /**
-   * @internal One request, retried on network trouble and 502/503/504 (after Retry-After when
-   * given) for at most `withinMs` from the first failure, a refused connection for at most
-   * `refusedWithinMs` from the start. Every request this client sends may be repeated: an acquire
-   * carries its Idempotency-Key, and the rest act on one lock or read.
+   * @internal One request, retried on network trouble and the statuses of RETRIED (after
+   * Retry-After when given) for at most `withinMs` from the first failure, a refused connection for
+   * at most `refusedWithinMs` from the start. Every request this client sends may be repeated: an
+   * acquire carries its Idempotency-Key, and the rest act on one lock or read; a POST without an
+   * Idempotency-Key would be retried only after a 429, which says the service did nothing.
    */
   async _send(method: string, path: string, options: SendOptions): Promise<Answer> {
     const started = now();
+    const idempotent =
+      method !== "POST" ||
+      (options.holding ?? false) ||
+      Object.keys(options.headers ?? {}).some((name) => name.toLowerCase() === "idempotency-key");
     const refusedUntil = started + (options.refusedWithinMs ?? options.withinMs);
     let until: number | null = null;
     let attempt = 0;
@@ -857,11 +862,19 @@ export class LockClient {
         raiseFor(answer, options.holding ?? false);
         return answer;
       }
+      if (answer !== null && !idempotent && UNKNOWN_OUTCOME.has(answer.status)) {
+        throw this.#gaveUp((now() - started) / 1000, null, answer); // it may have taken effect
+      }
       if (answer === null && !transient(error)) throw error; // a mistake in the request, or ours
+      if (answer === null && !idempotent && !refused(error)) throw this.#gaveUp((now() - started) / 1000, error, null);
       until ??= now() + options.withinMs;
       const pause = backoffMs(attempt, answer);
       const limit = refused(error) ? Math.min(until, refusedUntil) : until;
-      if (now() + pause > limit) throw this.#gaveUp((now() - started) / 1000, error, answer);
+      if (now() + pause > limit) {
+        // A 429 that lasts is its own refusal; the others leave the outcome unknown.
+        if (answer !== null && !UNKNOWN_OUTCOME.has(answer.status)) raiseFor(answer, options.holding ?? false);
+        throw this.#gaveUp((now() - started) / 1000, error, answer);
+      }
       await sleep(pause, options.signal);
       attempt += 1;
     }

@@ -17,7 +17,9 @@ export class EventStreamDecoder {
   lastEventId: string | null;
   /** The server's reconnection time, in milliseconds, once it sent one. */
   retry: number | null = null;
-  #text = new TextDecoder("utf-8");
+  // UTF-8 whatever the charset says. The BOM is kept here (by default TextDecoder drops one) and
+  // dropped below, once: a stream that opens with two has a line that starts with the second.
+  #text = new TextDecoder("utf-8", { ignoreBOM: true });
   #buffer = "";
   #skipLineFeed = false; // the previous chunk ended with CR: a LF opening this one ends no line
   #first = true;
@@ -33,7 +35,9 @@ export class EventStreamDecoder {
   /** Feed a chunk of the body; returns the events it completes. */
   feed(chunk: Uint8Array | string): ServerEvent[] {
     let text = typeof chunk === "string" ? chunk : this.#text.decode(chunk, { stream: true });
-    if (this.#first && text.length > 0) {
+    // Bytes that decoded to nothing yet: a CR before them still waits for its LF.
+    if (text.length === 0) return [];
+    if (this.#first) {
       this.#first = false;
       if (text.startsWith("\ufeff")) text = text.slice(1);
     }
