@@ -258,8 +258,10 @@ def _raise_for(response: httpx.Response, holding: bool, base_url: str) -> None:
 
 def _error_for(response: httpx.Response, holding: bool, base_url: str) -> HelixError:
     problem = _problem(response)
-    if _not_here(response, problem):
-        # Before the 404 of a held lock: a lease is not lost to an answer of another server.
+    # Before the 404 of a held lock: the service's own answer to a path it has no route for is
+    # never a lock's. Any other 404 to a held lock's request ends it, as clients/contract.json has
+    # it: stopping the work is the side to err on.
+    if _not_here(response, problem) and (not holding or problem.get("type") in NO_ROUTE):
         return _not_helix_locks(base_url, response, problem)
     request_id = response.headers.get("x-request-id")
     if response.status_code == 409 and problem.get("type") == MISMATCH:
