@@ -129,7 +129,7 @@ def test_the_wheel_with_the_server_extra_migrates_an_empty_database_and_serves(
         )
     try:
         wait_ready(url, server, tmp_path / "serve.log")  # /readyz: every migration of this build applied
-        for page, said in (("/console", "<html"), ("/console/assets/console.js", "function")):
+        for page, said in (("/console", "<html"), ("/console/assets/console.js", "import")):
             answer = httpx.get(f"{url}{page}", timeout=10)
             assert answer.status_code == 200 and said in answer.text.lower(), (page, answer.text[:200])
         said = _run(venv / "bin/python", "-c", SMOKE, url, cwd=tmp_path, env=env)
