@@ -34,8 +34,8 @@ from bench.database import bench_database
 from bench.http_load import run_http
 from bench.results import CPUS, Result, percentile
 from bench.servers import create_key, service_process
+from harness.browser import CHROMEDRIVER, CHROMIUM, offline_chromium
 from helix_locks.server.migrate import migrate
-from tests.support import CHROMEDRIVER, CHROMIUM, offline_chromium
 
 SIDES = ("closed", "watcher", "open")
 BUSY_KEY = "hot-key"  # the job type bench.http_load's "hot" side cycles, in organization "bench"

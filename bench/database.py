@@ -20,8 +20,8 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from bench import BenchError
+from harness.processes import ROOT
 from helix_locks.server.migrate import migrate
-from tests.support import ROOT
 
 
 @contextmanager

@@ -64,7 +64,8 @@ from bench.pgbench import run_pgbench
 from bench.results import CPUS, Result, percentile
 from bench.servers import create_key, service_process
 from bench.waiters import Counts, counts, meter_database
-from tests.support import Watch, rss_mb
+from harness.processes import rss_mb
+from harness.watch import Watch
 
 MIGRATIONS = {"0016": "migrations/0016_lock_events.sql", "0019": "migrations/0019_expiries_announced.sql"}
 # The event reader's statements (queries.EVENTS_START, queries.EVENTS): their calls and time.

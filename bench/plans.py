@@ -1,5 +1,5 @@
 """Plan checks on the seeded database: the row look-ups of acquire and release, and the listings
-of one organization (judged as tests/test_listing_plans.py judges them: tests/plans.py)."""
+of one organization (judged as tests/test_listing_plans.py judges them: harness/plans.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from tests import plans
+from harness import plans
 
 # The statements inside helix_acquire_job_lock and helix_release_job_lock that look rows up, as
 # PL/pgSQL prepares them: (what, parameter types, statement, sample arguments).

@@ -53,9 +53,10 @@ from bench.report import SIDES, median, report
 from bench.results import CPUS, Result
 from bench.servers import bare_process, create_key, etcd_server, service_process, worker_pids
 from bench.wrk import WrkResult, run_wrk
+from harness.processes import rss_mb
+from harness.proxies import pgbouncer, through
 from helix_locks.server.embedded import DIRECT_DATABASE_URL
 from helix_locks.server.migrate import migrate
-from tests.support import pgbouncer, rss_mb, through
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -16,8 +16,8 @@ import httpx
 
 from bench import BenchError, bare
 from bench.http_client import REQUEST_TIMEOUT
+from harness.processes import ROOT, NotReady, children, free_port, tail, wait_ready
 from helix_locks.server import keys
-from tests.support import ROOT, NotReady, children, free_port, tail, wait_ready
 
 
 @contextmanager

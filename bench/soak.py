@@ -6,11 +6,11 @@
                                           # and workers under `helix-locks run` SIGKILLed too
 
 The service (`helix-locks serve`, keys required) runs on a throwaway database (DATABASE_URL's
-server, else an embedded PostgreSQL). The clients are tests/load.py's: each takes a random one of
+server, else an embedded PostgreSQL). The clients are harness/load.py's: each takes a random one of
 six keys, works, sometimes renews, releases; a share of them die holding the lock (--crash-rate),
 which the next acquire must reclaim. Every --report-every seconds it prints grants/s, acquire
 answers/s, acquire p99, unexpected and unknown answers, the checker's verdict on the history so
-far, and the service's RSS; at the end, the checker of tests/history.py judges the whole
+far, and the service's RSS; at the end, the checker of harness/history.py judges the whole
 history, and the RSS at start and end.
 
 With --kill-every S the service runs as two replicas, and every S seconds one of them, at random,
@@ -39,11 +39,11 @@ from bench import interrupted, log
 from bench.database import bench_database
 from bench.results import percentile
 from bench.servers import service_process
+from harness.history import check, database_history
+from harness.load import KEYS, Load
+from harness.processes import helix_command, rss_mb
 from helix_locks.server import keys
 from helix_locks.server.migrate import migrate
-from tests.history import check, database_history
-from tests.load import KEYS, Load
-from tests.support import helix_command, rss_mb
 
 
 class Replicas:

@@ -45,8 +45,8 @@ from bench.http_client import RawConnection, run_loop
 from bench.pgbench import pgbench_path
 from bench.results import percentile
 from bench.servers import service_process
+from harness.processes import rss_mb
 from helix_locks.server.migrate import migrate
-from tests.support import rss_mb
 
 WAIT_SECONDS = 60
 # A backend reports its transaction counts to pg_stat_database at most once a second, and when it

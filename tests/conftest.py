@@ -18,10 +18,13 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from harness.node import build_node_client
+from harness.processes import url_for
+from harness.proxies import pgbouncer
 from helix_locks.server import embedded
 from helix_locks.server.app import create_app
 from helix_locks.server.migrate import migrate
-from tests.support import ROUTE, build_node_client, in_process, pgbouncer, url_for, without_thin_path
+from tests.support import ROUTE, in_process, without_thin_path
 
 TEST_DATABASE_URL = "HELIX_TEST_DATABASE_URL"
 # HELIX_TEST_POOLER=pgbouncer: every service under test reaches its database through PgBouncer

@@ -22,9 +22,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from harness.processes import ROOT, url_for
 from helix_locks.server import embedded
 from helix_locks.server.migrate import migrate
-from tests.support import ROOT, url_for
 
 PATH = ROOT / "migrations" / "schema.sql"
 HEADER = """\

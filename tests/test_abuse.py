@@ -17,10 +17,11 @@ import httpx
 import psycopg
 import pytest
 
+from harness.processes import rss_mb, running_service
 from helix_locks.server import keys
 from helix_locks.server.app import create_app
 from helix_locks.server.locks import LiveLockQuota
-from tests.support import ROUTE, in_process, rss_mb, running_service
+from tests.support import ROUTE, in_process
 from tests.test_api import lock_body
 from tests.test_exactly_once import Background, Conn, lock_waiters, until
 from tests.test_semaphores_abuse import _live_locks

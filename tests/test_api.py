@@ -16,10 +16,11 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
+from harness.proxies import TcpProxy
 from helix_locks.server import keys, schemas
 from helix_locks.server.app import create_app
 from helix_locks.server.settings import Settings
-from tests.support import ROUTE, TcpProxy, in_process
+from tests.support import ROUTE, in_process
 
 pytestmark = pytest.mark.anyio
 # Every test of `client` runs on the thin path of acquire, release and renew and on FastAPI's

@@ -15,9 +15,9 @@ import httpx
 import psycopg
 import pytest
 
+from harness.processes import ROOT, helix_command, running_service
 from helix_locks.server import migrate
 from helix_locks.server.commands import is_loopback
-from tests.support import ROOT, helix_command, running_service
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import psycopg
 
+from harness.processes import ROOT, running_service
+from harness.proxies import plain_http_server
 from helix_locks.client import LockClient
-from tests.support import ROOT, plain_http_server, running_service
 
 
 def test_importing_the_sdk_and_its_command_line_needs_httpx_only() -> None:

@@ -25,10 +25,12 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
+from harness.browser import offline_chromium
+from harness.processes import running_service
 from helix_locks.server import keys
 from helix_locks.server.app import create_app
 from helix_locks.server.console import ASSETS, CONTENT_SECURITY_POLICY
-from tests.support import ROUTE, needs_chromium, offline_chromium, running_service
+from tests.support import ROUTE, needs_chromium
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 EXACT_POLICY = (

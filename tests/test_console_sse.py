@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import ROOT
+from harness.processes import ROOT
 
 NODE = shutil.which("node")
 needs_node = pytest.mark.skipif(NODE is None, reason="needs Node 20 (node)")

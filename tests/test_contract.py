@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from harness.processes import ROOT
+from harness.proxies import LocalServer, QuietHandler
 from helix_locks import client
 from helix_locks.client import (
     ApiError,
@@ -24,7 +26,6 @@ from helix_locks.client import (
     backoff_seconds,
     retry_after_seconds,
 )
-from tests.support import ROOT, LocalServer, QuietHandler
 from tests.test_sdk import Either, either
 
 CONTRACT = json.loads((ROOT / "clients" / "contract.json").read_text(encoding="utf-8"))

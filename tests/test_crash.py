@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.history import check, database_history
-from tests.load import KEYS, Load
-from tests.support import running_service
+from harness.history import check, database_history
+from harness.load import KEYS, Load
+from harness.processes import running_service
 
 # A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
 pytestmark = pytest.mark.fault

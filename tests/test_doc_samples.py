@@ -21,7 +21,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from tests.support import ROOT, running_service, url_for
+from harness.processes import ROOT, running_service, url_for
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(?:<!-- samples: (?P<names>[^>]*) -->\n)?^```[^\n]*\n(?P<code>.*?)^```", re.S | re.M)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support import ROUTE, needs_chromium, offline_chromium, running_service
+from harness.browser import offline_chromium
+from harness.processes import running_service
+from tests.support import ROUTE, needs_chromium
 
 pytestmark = needs_chromium
 

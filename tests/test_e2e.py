@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support import running_service
+from harness.processes import running_service
 
 WORKER = """
 import json, sys, time, httpx

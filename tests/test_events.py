@@ -17,12 +17,14 @@ import httpx
 import psycopg
 import pytest
 
+from harness.processes import running_service
+from harness.watch import Event, Watch
 from helix_locks.server import keys, queries, schemas
 from helix_locks.server.db import Database, create_pool
 from helix_locks.server.errors import EventsExpired
 from helix_locks.server.events import EventHub, EventIds, Position, Window
 from helix_locks.server.keys import ANONYMOUS, KeyRing
-from tests.support import ROUTE, Event, Watch, running_service
+from tests.support import ROUTE
 
 pytestmark = pytest.mark.anyio
 FAST = {"HELIX_LOCKS_EVENTS_POLL_MS": "20", "HELIX_LOCKS_EVENTS_KEEPALIVE_SECONDS": "1"}

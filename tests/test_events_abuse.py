@@ -16,12 +16,14 @@ import httpx
 import psycopg
 import pytest
 
+from harness.processes import running_service
+from harness.watch import Watch
 from helix_locks.server import keys, queries, schemas
 from helix_locks.server.db import Database, create_pool
 from helix_locks.server.errors import OrganizationWatchersFull
 from helix_locks.server.events import KEY_BYTES, EventHub, EventIds, Position, Window
 from helix_locks.server.keys import ANONYMOUS, Caller, KeyRing
-from tests.support import ROUTE, Watch, running_service
+from tests.support import ROUTE
 from tests.test_events import FAST, acquire, event_hub, event_ids, release, replicas
 
 pytestmark = pytest.mark.anyio

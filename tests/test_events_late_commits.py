@@ -14,7 +14,9 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from tests.support import ROUTE, Watch, running_service
+from harness.processes import running_service
+from harness.watch import Watch
+from tests.support import ROUTE
 from tests.test_events import FAST, acquire, replicas
 
 pytestmark = pytest.mark.anyio

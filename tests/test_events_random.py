@@ -24,8 +24,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.history import database_history
-from tests.support import ROUTE, Event, Watch, running_service
+from harness.history import database_history
+from harness.processes import running_service
+from harness.watch import Event, Watch
+from tests.support import ROUTE
 from tests.test_events import FAST, replicas
 from tests.test_events_stress import STATE_CHANGES, changes, differences, history, no_errors_logged
 

@@ -18,11 +18,13 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.history import Grant, Renewed, check, database_history
+from harness.load import KEYS, Load
+from harness.processes import logged_requests, running_service, tail
+from harness.proxies import TcpProxy
+from harness.watch import Event, Watch
 from helix_locks.server import keys
 from helix_locks.server.embedded import DIRECT_DATABASE_URL
-from tests.history import Grant, Renewed, check, database_history
-from tests.load import KEYS, Load
-from tests.support import Event, TcpProxy, Watch, logged_requests, running_service, tail
 from tests.test_events import FAST, replicas
 
 # A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).

@@ -22,16 +22,11 @@ import httpx
 import psycopg
 import pytest
 
+from harness.node import node_example
+from harness.processes import ROOT, helix_command, logged_requests, running_service
+from harness.proxies import LyingProxy
 from helix_locks.client import LockClient
-from tests.support import (
-    ROOT,
-    ROUTE,
-    LyingProxy,
-    helix_command,
-    logged_requests,
-    node_example,
-    running_service,
-)
+from tests.support import ROUTE
 
 Conn = psycopg.Connection[Any]
 KEY = {"organization_id": "acme", "job_type": "report"}

@@ -14,8 +14,9 @@ import httpx
 import psycopg
 import pytest
 
-from tests.history import Told, check, database_history
-from tests.support import ROOT, logged_requests, node_example, running_service
+from harness.history import Told, check, database_history
+from harness.node import node_example
+from harness.processes import ROOT, logged_requests, running_service
 
 EXAMPLES = {"curl": ROOT / "examples" / "curl-worker.sh", "node": ROOT / "examples" / "node-worker.mjs"}
 KEY = ("acme", "nightly-report")

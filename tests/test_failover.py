@@ -17,12 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.history import check, database_history
+from harness.load import KEYS, Load, Run
+from harness.processes import running_service
 from helix_locks.server import keys
 from helix_locks.server.migrate import migrate
-from tests.history import check, database_history
-from tests.load import KEYS, Load, Run
 from tests.patroni_cluster import Cluster, patroni_cluster
-from tests.support import running_service
 
 # A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
 pytestmark = pytest.mark.fault

@@ -18,9 +18,9 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
 
+from harness.processes import ROOT, running_service
 from helix_locks.server import keys
 from helix_locks.server.problems import MEDIA_TYPE
-from tests.support import ROOT, running_service
 
 # Not the event stream: it answers for as long as the client reads (tests/test_events.py checks
 # its parameters and problems).

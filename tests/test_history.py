@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from tests.history import Grant, Renewed, Told, check
+from harness.history import Grant, Renewed, Told, check
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 KEY = ("org", "job")

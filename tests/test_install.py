@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.processes import ROOT, running_service
 from helix_locks.cli import SERVER_MODULES
-from tests.support import ROOT, ROUTE, running_service
+from tests.support import ROUTE
 
 # What only the server needs: none of it may load with the SDK.
 SERVER_ONLY = ("fastapi", "starlette", "psycopg", "pydantic", "uvicorn")

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import psycopg
 
+from harness.processes import ROOT, helix_command, running_service
 from helix_locks.server import keys
-from tests.support import ROOT, helix_command, running_service
 
 KEY_PATTERN = re.compile(r"^hlk_([0-9a-f]{12})_[A-Za-z0-9_-]{43}$")
 

@@ -20,8 +20,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from harness.processes import ROOT, running_service
 from helix_locks import ApiError, Lock, LockClient, Unavailable
-from tests.support import ROOT, running_service
 
 TTL = 2.0
 JOB = "scheduler-leader"

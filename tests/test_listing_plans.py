@@ -13,11 +13,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from harness.plans import LISTINGS, PLAN_MODES, explain, problems
+from harness.processes import url_for
 from helix_locks.server import keys, queries
 from helix_locks.server.app import create_app
 from helix_locks.server.db import Database
-from tests.plans import LISTINGS, PLAN_MODES, explain, problems
-from tests.support import ROUTE, in_process, url_for
+from tests.support import ROUTE, in_process
 
 pytestmark = pytest.mark.anyio
 

@@ -13,9 +13,10 @@ import httpx
 import psycopg
 import pytest
 
+from harness.processes import logged_requests, running_service
 from helix_locks.server import keys, logs
 from helix_locks.server.app import create_app
-from tests.support import ROUTE, in_process, logged_requests, running_service
+from tests.support import ROUTE, in_process
 from tests.test_api import lock_body
 
 

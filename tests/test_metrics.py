@@ -16,11 +16,12 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.processes import running_service
 from helix_locks.server import keys, openapi, telemetry
 from helix_locks.server.app import create_app
 from helix_locks.server.locks import Locks
 from helix_locks.server.settings import Settings
-from tests.support import in_process, running_service
+from tests.support import in_process
 from tests.test_api import expire, lock_body
 
 pytestmark = pytest.mark.anyio

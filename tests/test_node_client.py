@@ -21,9 +21,11 @@ from typing import Any
 import psycopg
 import pytest
 
+from harness.history import Renewed, Told, check, database_history
+from harness.node import npm
+from harness.processes import running_service
 from helix_locks.server import keys
-from tests.history import Renewed, Told, check, database_history
-from tests.support import ROUTE, npm, running_service
+from tests.support import ROUTE
 
 ORG = "acme"
 

@@ -13,9 +13,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from harness.processes import running_service
 from helix_locks.server import keys, schemas
 from helix_locks.server.openapi import PATH, document
-from tests.support import ROUTE, running_service
+from tests.support import ROUTE
 
 
 def test_the_checked_in_document_is_the_apps() -> None:

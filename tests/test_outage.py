@@ -17,9 +17,9 @@ import httpx
 import psycopg
 import pytest
 
+from harness.processes import children, running_service
 from helix_locks.server import embedded
 from helix_locks.server.migrate import migrate
-from tests.support import children, running_service
 from tests.test_api import lock_body
 
 # A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).

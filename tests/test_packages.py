@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 import helix_locks
-from tests.support import NODE_CLIENT, ROOT, free_port, running_service, wait_ready
+from harness.node import NODE_CLIENT
+from harness.processes import ROOT, free_port, running_service, wait_ready
 
 PACKAGE = ROOT / "service" / "helix_locks"
 EXAMPLE = ROOT / "examples" / "node-worker.mjs"

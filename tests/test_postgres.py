@@ -26,21 +26,14 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from harness.history import Told, check, database_history
+from harness.processes import free_port, helix_command, running_service
+from harness.proxies import PGBOUNCER, pgbouncer, through
 from helix_locks.server import queries
 from helix_locks.server.app import create_app
 from helix_locks.server.embedded import DIRECT_DATABASE_URL
 from helix_locks.server.settings import Settings
-from tests.history import Told, check, database_history
-from tests.support import (
-    PGBOUNCER,
-    ROUTE,
-    free_port,
-    helix_command,
-    in_process,
-    pgbouncer,
-    running_service,
-    through,
-)
+from tests.support import ROUTE, in_process
 
 Conn = psycopg.Connection[Any]
 KEY = {"organization_id": "acme", "job_type": "hot"}

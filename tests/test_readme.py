@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ROOT, free_port, wait_ready
+from harness.processes import ROOT, free_port, wait_ready
 
 BLOCK = re.compile(
     r"(?:<!-- not run: (?P<skip>[^>]*) -->\n)?```(?P<language>sh|python)\n(?P<code>.*?)```", re.S

@@ -16,12 +16,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from harness.plans import PLAN_MODES, nodes
 from helix_locks.server import listener, queries
 from helix_locks.server.app import create_app
 from helix_locks.server.keys import Caller
 from helix_locks.server.locks import Grant, Locks
 from helix_locks.server.waiting import Waiters
-from tests.plans import PLAN_MODES, nodes
 from tests.support import ROUTE, in_process
 
 # A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).

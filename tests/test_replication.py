@@ -33,11 +33,11 @@ import httpx
 import psycopg
 import pytest
 
+from harness.history import Told, check, database_history
+from harness.processes import running_service
 from helix_locks.server import keys
 from helix_locks.server.migrate import migrate
-from tests.history import Told, check, database_history
 from tests.patroni_cluster import Cluster, Replication, patroni_cluster
-from tests.support import running_service
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 

@@ -20,6 +20,8 @@ from typing import Any, cast
 import psycopg
 import pytest
 
+from harness.processes import running_service
+from harness.proxies import LyingProxy, plain_http_server
 from helix_locks import (
     Acquired,
     ApiError,
@@ -40,7 +42,6 @@ from helix_locks import (
     Unavailable,
 )
 from helix_locks.client import _grant
-from tests.support import LyingProxy, plain_http_server, running_service
 
 
 class Either:

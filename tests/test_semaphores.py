@@ -15,9 +15,10 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
+from harness.watch import Watch
 from helix_locks.server import keys, migrate, queries
 from helix_locks.server.app import create_app
-from tests.support import ROUTE, Watch, in_process
+from tests.support import ROUTE, in_process
 from tests.test_api import acquire, assert_problem, expire, lock_body
 from tests.test_events import replicas
 from tests.test_metrics import samples, value

@@ -12,9 +12,10 @@ import httpx
 import psycopg
 import pytest
 
+from harness.watch import Watch
 from helix_locks.server import keys
 from helix_locks.server.app import create_app
-from tests.support import ROUTE, Watch, in_process
+from tests.support import ROUTE, in_process
 from tests.test_api import acquire, assert_problem, lock_body
 from tests.test_events import replicas
 

@@ -20,8 +20,8 @@ from psycopg import errors
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from harness.history import check, database_history
 from helix_locks.server import queries, schemas
-from tests.history import check, database_history
 
 Conn = psycopg.Connection[Any]
 

@@ -10,7 +10,7 @@ The model (tests/lock_model.py) predicts every answer's status and problem kind,
 409 names, the slot and the reclaimed lock of each grant, and each grant's fencing token must be
 above every earlier one of its key. After every step the live locks the admin key lists must be
 the model's. Each example uses job types of its own, and forces what it still holds at its end.
-After the run, tests/history.py checks the database's rows against what the clients were told.
+After the run, harness/history.py checks the database's rows against what the clients were told.
 
 The CI size is the same on every run (derandomized): HELIX_STATEFUL_EXAMPLES sequences (default
 200) of up to HELIX_STATEFUL_STEPS steps (default 20). Nightly:
@@ -45,10 +45,11 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from harness.history import Renewed, Told, check, database_history
+from harness.processes import running_service
 from helix_locks.server import keys
-from tests.history import Renewed, Told, check, database_history
 from tests.lock_model import ADMIN, ORGANIZATIONS, Expected, Lock, Model, key_names
-from tests.support import ROUTE, running_service
+from tests.support import ROUTE
 
 EXAMPLES = int(os.environ.get("HELIX_STATEFUL_EXAMPLES", "200"))
 STEPS = int(os.environ.get("HELIX_STATEFUL_STEPS", "20"))

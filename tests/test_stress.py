@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.history import Grant, check, database_history
-from tests.load import KEYS, Load, Run
-from tests.support import ROUTE, running_service
+from harness.history import Grant, check, database_history
+from harness.load import KEYS, Load, Run
+from harness.processes import running_service
+from tests.support import ROUTE
 
 # A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
 pytestmark = pytest.mark.fault

@@ -17,11 +17,12 @@ import psycopg
 import pytest
 from asgi_lifespan import LifespanManager
 
+from harness.processes import running_service
 from helix_locks.server.app import create_app
 from helix_locks.server.errors import DatabaseUnavailable, LockHeld
 from helix_locks.server.locks import Grant
 from helix_locks.server.waiting import Waiters
-from tests.support import ROUTE, in_process, running_service
+from tests.support import ROUTE, in_process
 
 pytestmark = pytest.mark.anyio
 Conn = psycopg.Connection[Any]

@@ -23,6 +23,7 @@ from urllib.parse import parse_qs, urlsplit
 import psycopg
 import pytest
 
+from harness.processes import ROOT, free_port, helix_command, running_service
 from helix_locks import LockEvent
 from helix_locks import client as sdk
 from helix_locks.client import (
@@ -34,7 +35,6 @@ from helix_locks.client import (
     ServerEvent,
     Unavailable,
 )
-from tests.support import ROOT, free_port, helix_command, running_service
 
 # --- the parser ----------------------------------------------------------------------------------
 

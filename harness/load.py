@@ -1,4 +1,4 @@
-"""Racing lock clients that record what they were told, for the checker in tests/history.py.
+"""Racing lock clients that record what they were told, for the checker in harness/history.py.
 
 Each client loops: acquire a random key (a lock, or a semaphore of the max_holders given for the
 key); on a grant, sometimes die holding it (the lease must run out and be reclaimed), else work a
@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 import anyio
 import httpx
 
-from tests.history import Renewed, Told
+from harness.history import Renewed, Told
 
 KEYS = [(org, job) for org in ("acme", "globex") for job in ("billing", "reindex", "export")]
 
