@@ -208,7 +208,13 @@ def database_role() -> None:
     """The replicas' database role is no superuser, may create nothing (no DDL) and owns nothing;
     the schema belongs to another role, no superuser either (the one migrate runs as)."""
     program = Path(__file__).with_name("replica_role.py").read_text()
-    ran = subprocess.run(IN_REPLICA, input=program, capture_output=True, text=True, timeout=60)
+    for _ in range(5):
+        ran = subprocess.run(IN_REPLICA, input=program, capture_output=True, text=True, timeout=60)
+        # podman's DNS can fail a lookup for a moment (EAI_AGAIN, seen once in a fresh-clone CI
+        # run) although the replica reached the same host all along: ask again.
+        if ran.returncode == 0 or "Temporary failure in name resolution" not in ran.stderr:
+            break
+        time.sleep(2)
     if ran.returncode != 0:
         sys.exit(f"compose-smoke: FAILED: asking PostgreSQL from a replica: {ran.stderr.strip()}")
     facts = json.loads(ran.stdout)
