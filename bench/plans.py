@@ -1,5 +1,5 @@
 """Plan checks on the seeded database: the row look-ups of acquire and release, and the listings
-of one organization (judged as tests/test_listing_plans.py judges them: harness/plans.py)."""
+of one organization (judged as tests/api/test_listing_plans.py judges them: harness/plans.py)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def check_listing_plans(url: str) -> str:
     each must be an index scan of one range within the organization that stops at LIMIT (no Sort
     of every match, no other organization's rows), with or without job type and cursor, of every
     state, for seeded organizations (a hundredth of the history each) and the bench's (none).
-    The plans are judged by their shape, as tests/test_listing_plans.py judges them."""
+    The plans are judged by their shape, as tests/api/test_listing_plans.py judges them."""
     bad: list[str] = []
     checked = 0
     # With 100 organizations and a key in ten reclaimed, seed-org-1's history is all released,

@@ -2,7 +2,7 @@
 // A Helix Locks worker in Node 20+, on the helix-locks client (clients/node). Each iteration takes
 // the lock for one organization and job type (waiting while it is held), works while the client
 // renews it, hands the fencing token to what it writes, and releases it.
-// To run it from the repository's top folder (tests/test_packages.py runs these lines):
+// To run it from the repository's top folder (tests/system/test_packages.py runs these lines):
 //   npm ci --prefix clients/node                # the client's dev dependencies, then its build
 //   npm ci --prefix examples --ignore-scripts   # examples/node_modules/helix-locks: a link to it
 //   examples/node-worker.mjs [OUTPUT_FILE]

@@ -1,5 +1,5 @@
 """How an organization's listings must be planned, judged by EXPLAIN: one Index Scan of one range
-of the listing's index, in order, stopping at LIMIT. tests/test_listing_plans.py judges the
+of the listing's index, in order, stopping at LIMIT. tests/api/test_listing_plans.py judges the
 statements the service sends; the bench (bench/plans.py) judges them on its seeded database."""
 
 from __future__ import annotations

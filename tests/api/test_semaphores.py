@@ -18,10 +18,10 @@ from psycopg.rows import dict_row
 from harness.watch import Watch
 from helix_locks.server import keys, migrate, queries
 from helix_locks.server.app import create_app
+from tests.api.test_api import acquire, assert_problem, expire, lock_body
 from tests.support import ROUTE, in_process
-from tests.test_api import acquire, assert_problem, expire, lock_body
-from tests.test_events import replicas
-from tests.test_metrics import samples, value
+from tests.system.test_events import replicas
+from tests.system.test_metrics import samples, value
 
 pytestmark = pytest.mark.anyio
 # Every test of `client` runs on the thin path of acquire, release and renew and on FastAPI's

@@ -15,9 +15,9 @@ import pytest
 from harness.watch import Watch
 from helix_locks.server import keys
 from helix_locks.server.app import create_app
+from tests.api.test_api import acquire, assert_problem, lock_body
 from tests.support import ROUTE, in_process
-from tests.test_api import acquire, assert_problem, lock_body
-from tests.test_events import replicas
+from tests.system.test_events import replicas
 
 pytestmark = pytest.mark.anyio
 

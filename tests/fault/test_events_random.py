@@ -27,9 +27,9 @@ import pytest
 from harness.history import database_history
 from harness.processes import running_service
 from harness.watch import Event, Watch
+from tests.fault.test_events_stress import STATE_CHANGES, changes, differences, history, no_errors_logged
 from tests.support import ROUTE
-from tests.test_events import FAST, replicas
-from tests.test_events_stress import STATE_CHANGES, changes, differences, history, no_errors_logged
+from tests.system.test_events import FAST, replicas
 
 # A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]

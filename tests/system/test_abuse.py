@@ -21,10 +21,10 @@ from harness.processes import rss_mb, running_service
 from helix_locks.server import keys
 from helix_locks.server.app import create_app
 from helix_locks.server.locks import LiveLockQuota
+from tests.api.test_api import lock_body
+from tests.api.test_semaphores_abuse import _live_locks
 from tests.support import ROUTE, in_process
-from tests.test_api import lock_body
-from tests.test_exactly_once import Background, Conn, lock_waiters, until
-from tests.test_semaphores_abuse import _live_locks
+from tests.system.test_exactly_once import Background, Conn, lock_waiters, until
 
 # Short deadlines, so that the tests wait seconds, not the defaults' ten.
 TIMEOUTS = {"HELIX_LOCKS_HEAD_TIMEOUT_SECONDS": "1", "HELIX_LOCKS_BODY_TIMEOUT_SECONDS": "1"}

@@ -24,7 +24,7 @@ from helix_locks.server.errors import OrganizationWatchersFull
 from helix_locks.server.events import KEY_BYTES, EventHub, EventIds, Position, Window
 from helix_locks.server.keys import ANONYMOUS, Caller, KeyRing
 from tests.support import ROUTE
-from tests.test_events import FAST, acquire, event_hub, event_ids, release, replicas
+from tests.system.test_events import FAST, acquire, event_hub, event_ids, release, replicas
 
 pytestmark = pytest.mark.anyio
 

@@ -17,7 +17,7 @@ from psycopg.types.json import Jsonb
 from harness.processes import running_service
 from harness.watch import Watch
 from tests.support import ROUTE
-from tests.test_events import FAST, acquire, replicas
+from tests.system.test_events import FAST, acquire, replicas
 
 pytestmark = pytest.mark.anyio
 

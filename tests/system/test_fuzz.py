@@ -22,7 +22,7 @@ from harness.processes import ROOT, running_service
 from helix_locks.server import keys
 from helix_locks.server.problems import MEDIA_TYPE
 
-# Not the event stream: it answers for as long as the client reads (tests/test_events.py checks
+# Not the event stream: it answers for as long as the client reads (tests/system/test_events.py checks
 # its parameters and problems).
 schema = schemathesis.openapi.from_path(ROOT / "openapi.json").exclude(path="/v1/events")
 EXAMPLES = int(os.environ.get("HELIX_FUZZ_EXAMPLES", "50"))

@@ -21,8 +21,8 @@ from helix_locks.server import keys, openapi, telemetry
 from helix_locks.server.app import create_app
 from helix_locks.server.locks import Locks
 from helix_locks.server.settings import Settings
+from tests.api.test_api import expire, lock_body
 from tests.support import in_process
-from tests.test_api import expire, lock_body
 
 pytestmark = pytest.mark.anyio
 Conn = psycopg.Connection[Any]

@@ -92,7 +92,7 @@ def test_the_node_client_suite_passes_against_a_real_service(
 
 def test_the_node_client_keeps_the_clients_contract(node_client: Path) -> None:
     """clients/node/test/contract.test.mjs, which needs no service (it scripts a small HTTP
-    server of its own): the same clients/contract.json as tests/test_contract.py checks."""
+    server of its own): the same clients/contract.json as tests/unit/test_contract.py checks."""
     path = node_client / "test" / "contract.test.mjs"
     done = subprocess.run(
         ["node", "--test", str(path)],

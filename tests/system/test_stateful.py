@@ -15,7 +15,8 @@ After the run, harness/history.py checks the database's rows against what the cl
 The CI size is the same on every run (derandomized): HELIX_STATEFUL_EXAMPLES sequences (default
 200) of up to HELIX_STATEFUL_STEPS steps (default 20). Nightly:
 
-    HELIX_STATEFUL_EXAMPLES=5000 HELIX_STATEFUL_STEPS=40 pytest -p no:cacheprovider tests/test_stateful.py
+    HELIX_STATEFUL_EXAMPLES=5000 HELIX_STATEFUL_STEPS=40 pytest -p no:cacheprovider \\
+        tests/system/test_stateful.py
 
 (its timeout grows with the size).
 """

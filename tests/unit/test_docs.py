@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from helix_locks.server import openapi, problems
 from helix_locks.server.errors import LockError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(problems.__file__).resolve().parent
 README = ROOT / "README.md"
 API_PAGE = ROOT / "docs" / "api.md"

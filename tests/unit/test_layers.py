@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "service" / "helix_locks"
+PACKAGE = Path(__file__).resolve().parents[2] / "service" / "helix_locks"
 SERVER = PACKAGE / "server"
 # The HTTP edge: routes, bodies, problem documents, middleware, and the commands that serve them.
 EDGE = {

@@ -6,7 +6,7 @@ import net from "node:net";
 
 import { LockClient } from "../dist/index.js";
 
-/** The service the tests run against, as tests/test_node_client.py starts it. */
+/** The service the tests run against, as tests/system/test_node_client.py starts it. */
 export const service = {
   url: required("HELIX_LOCKS_TEST_URL"),
   // An organization's key for "acme" (the tests' organization), and an admin key.
@@ -18,7 +18,7 @@ function required(name) {
   const value = process.env[name];
   if (!value) {
     throw new Error(
-      `${name} is not set: run these tests with \`pytest tests/test_node_client.py\`, which starts` +
+      `${name} is not set: run these tests with \`pytest tests/system/test_node_client.py\`, which starts` +
         " helix-locks serve, or see clients/node/README.md",
     );
   }

@@ -1,6 +1,6 @@
 // The service is SIGKILLed while a lease is held: the lease's own clock must say the lock may be
 // lost before it could have lapsed. This kills the service it runs against: it needs one of its
-// own (tests/test_node_client.py starts it), named with its process id.
+// own (tests/system/test_node_client.py starts it), named with its process id.
 import assert from "node:assert/strict";
 import { test } from "node:test";
 

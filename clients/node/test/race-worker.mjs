@@ -1,5 +1,5 @@
 #!/usr/bin/env node
-// One racer of tests/test_node_client.py's race: for SECONDS it takes one key's lock with
+// One racer of tests/system/test_node_client.py's race: for SECONDS it takes one key's lock with
 // withLock (ttl 1.5 s, so that each piece of work is renewed once), works 0.6 s, and records what it
 // was told as JSON lines in OUTPUT, for the project's history checker.
 // Usage: race-worker.mjs NAME SECONDS OUTPUT ORGANIZATION JOB_TYPE

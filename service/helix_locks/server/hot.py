@@ -44,7 +44,7 @@ class Route:
 
 
 # What each route takes, all read here: a query string (force, on release) goes to FastAPI.
-# tests/test_hot.py holds these to the OpenAPI document, so that a parameter added to one of these
+# tests/api/test_hot.py holds these to the OpenAPI document, so that a parameter added to one of these
 # routes cannot go unread here.
 PARAMETERS = {
     "acquireLock": ({"header Idempotency-Key"}, AcquireRequest),
