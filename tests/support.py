@@ -4,8 +4,11 @@ out, and the mark of the browser tests."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import fcntl
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -70,3 +73,16 @@ def without_thin_path(app: FastAPI) -> FastAPI:
     thin: object = hot.HotRoutes
     app.user_middleware = [middleware for middleware in app.user_middleware if middleware.cls is not thin]
     return app
+
+
+@contextmanager
+def one_at_a_time(name: str) -> Iterator[None]:
+    """Hold a lock of this machine named `name` (a file under the temporary directory), so that the
+    workers of a parallel run do one at a time what cannot be done twice at once."""
+    path = Path(tempfile.gettempdir()) / f"helix-tests-{name}.lock"
+    with path.open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
