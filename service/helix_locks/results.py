@@ -2,8 +2,8 @@
 TypedDicts (the Node client's types.ts declares the same). They are the dicts the SDK has always
 returned, so `lock["state"]` keeps working, and a type checker now knows every field."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: TypedDict reads NotRequired off the annotations
+# themselves, and in Python 3.11 it cannot see it inside a string.
 from typing import Any, Literal, NotRequired, TypedDict
 
 # `held`: live; `expired`: its lease ran out, not yet reclaimed; `released` (by its holder or by
