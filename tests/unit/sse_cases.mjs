@@ -2,7 +2,7 @@
 // reads [{name, chunks}] as JSON on stdin, writes [{name, events}] as JSON on stdout.
 import { readFileSync } from 'node:fs';
 
-const { EventStreamDecoder } = await import(new URL('../service/helix_locks/server/console/sse.js', import.meta.url));
+const { EventStreamDecoder } = await import(new URL('../../service/helix_locks/server/console/sse.js', import.meta.url));
 
 const cases = JSON.parse(readFileSync(0, 'utf8'));
 const results = cases.map((given) => {
