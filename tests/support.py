@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
+from psycopg.types.json import Jsonb
 
 from harness.browser import CHROMEDRIVER, CHROMIUM
 from harness.proxies import through
@@ -86,3 +88,23 @@ def one_at_a_time(name: str) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
+
+
+# jsonb keeps a number as numeric and writes it back whole: 1e308 as 309 digits, 1e-300 as 302
+# characters. Each of these is 8,127 bytes as the service sends it, and over 350,000 as stored.
+SWOLLEN = [{"a": [1e308] * 1160}, {"a": [1e-300] * 1160}]
+
+
+def stored_bytes(conn: psycopg.Connection[Any], metadata: Any) -> int:
+    """What metadata is as PostgreSQL stores it: jsonb::text, in bytes."""
+    found = conn.execute("SELECT octet_length(%s::jsonb::text)", (Jsonb(metadata),)).fetchone()
+    assert found is not None
+    return int(found[0])
+
+
+def exactly(conn: psycopg.Connection[Any], size: int) -> dict[str, Any]:
+    """Metadata of `size` bytes as stored, its numbers far longer stored than sent."""
+    metadata: dict[str, Any] = {"n": [1e16] * 100, "pad": ""}
+    metadata["pad"] = "x" * (size - stored_bytes(conn, metadata))
+    assert stored_bytes(conn, metadata) == size
+    return metadata

@@ -14,13 +14,12 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from psycopg.types.json import Jsonb
 
 from harness.proxies import TcpProxy
 from helix_locks.server import keys, schemas
 from helix_locks.server.app import create_app
 from helix_locks.server.settings import Settings
-from tests.support import ROUTE, in_process
+from tests.support import ROUTE, SWOLLEN, exactly, in_process
 
 pytestmark = pytest.mark.anyio
 # Every test of `client` runs on the thin path of acquire, release and renew and on FastAPI's
@@ -340,24 +339,6 @@ async def test_update_403_404_410_and_422(client: httpx.AsyncClient, conn: Conn)
 
 
 # --- metadata as stored (issue 34, item 7) ------------------------------------------------------
-
-# jsonb keeps a number as numeric and writes it back whole: 1e308 as 309 digits, 1e-300 as 302
-# characters. Each of these is 8,127 bytes as sent, and over 350,000 as stored and answered.
-SWOLLEN = [{"a": [1e308] * 1160}, {"a": [1e-300] * 1160}]
-
-
-def stored_bytes(conn: Conn, metadata: Any) -> int:
-    found = conn.execute("SELECT octet_length(%s::jsonb::text)", (Jsonb(metadata),)).fetchone()
-    assert found is not None
-    return int(found[0])
-
-
-def exactly(conn: Conn, size: int) -> dict[str, Any]:
-    """Metadata of `size` bytes as stored, whose numbers are far longer stored than sent."""
-    metadata: dict[str, Any] = {"n": [1e16] * 100, "pad": ""}
-    metadata["pad"] = "x" * (size - stored_bytes(conn, metadata))
-    assert stored_bytes(conn, metadata) == size
-    return metadata
 
 
 def refused_for_metadata(response: httpx.Response) -> str:

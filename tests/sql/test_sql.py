@@ -22,6 +22,7 @@ from psycopg.types.json import Jsonb
 
 from harness.history import check, database_history
 from helix_locks.server import queries, schemas
+from tests.support import SWOLLEN, exactly, stored_bytes
 
 Conn = psycopg.Connection[Any]
 
@@ -694,25 +695,6 @@ def counter_of(conn: Conn, key: tuple[str, str]) -> int:
 
 
 # --- metadata as stored (issue 34, item 7) ------------------------------------------------------
-
-# jsonb keeps a number as numeric and writes it back whole: 1e308 as 309 digits, 1e-300 as 302
-# characters. Each of these is 8,127 bytes as the service sends it, and over 350,000 as stored.
-SWOLLEN = [{"a": [1e308] * 1160}, {"a": [1e-300] * 1160}]
-
-
-def stored_bytes(conn: Conn, metadata: Any) -> int:
-    """What metadata is as PostgreSQL stores it: jsonb::text, in bytes."""
-    found = conn.execute("SELECT octet_length(%s::jsonb::text)", (Jsonb(metadata),)).fetchone()
-    assert found is not None
-    return int(found[0])
-
-
-def exactly(conn: Conn, size: int) -> dict[str, Any]:
-    """Metadata of `size` bytes as stored, its numbers far longer stored than sent."""
-    metadata: dict[str, Any] = {"n": [1e16] * 100, "pad": ""}
-    metadata["pad"] = "x" * (size - stored_bytes(conn, metadata))
-    assert stored_bytes(conn, metadata) == size
-    return metadata
 
 
 def test_metadata_over_8_kib_as_stored_is_refused_by_every_function_that_writes_it(conn: Conn) -> None:
