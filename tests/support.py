@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import psycopg
@@ -24,9 +24,14 @@ from helix_locks.server import hot
 from helix_locks.server.embedded import DIRECT_DATABASE_URL
 from helix_locks.server.settings import Settings
 
-needs_chromium = pytest.mark.skipif(
-    not (CHROMIUM and CHROMEDRIVER), reason="needs Debian's chromium and chromium-driver (apt-get)"
-)
+T = TypeVar("T")
+
+def needs_chromium(test: T) -> T:
+    """A test that drives Debian's chromium: a stage of its own (`scripts/test -m browser`), and
+    skipped on a machine without it."""
+    missing = not (CHROMIUM and CHROMEDRIVER)
+    skip = pytest.mark.skipif(missing, reason="needs Debian's chromium and chromium-driver (apt-get)")
+    return pytest.mark.browser(skip(test))
 
 
 class Route:

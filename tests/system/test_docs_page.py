@@ -9,9 +9,8 @@ from harness.browser import offline_chromium
 from harness.processes import running_service
 from tests.support import ROUTE, needs_chromium
 
-pytestmark = needs_chromium
 
-
+@needs_chromium
 def test_the_api_page_renders_every_operation_offline(db_url: str, tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
