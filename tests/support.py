@@ -26,6 +26,7 @@ from helix_locks.server.settings import Settings
 
 T = TypeVar("T")
 
+
 def needs_chromium(test: T) -> T:
     """A test that drives Debian's chromium: a stage of its own (`scripts/test -m browser`), and
     skipped on a machine without it."""
