@@ -12,57 +12,28 @@ from datetime import datetime
 from typing import Any
 
 import httpx
-import psycopg
 import pytest
 
 from harness.proxies import TcpProxy
 from helix_locks.server import keys, schemas
 from helix_locks.server.app import create_app
 from helix_locks.server.settings import Settings
-from tests.support import ROUTE, SWOLLEN, exactly, in_process
+from tests.support import (
+    ROUTE,
+    SWOLLEN,
+    Conn,
+    acquire,
+    assert_problem,
+    exactly,
+    expire,
+    in_process,
+    lock_body,
+)
 
 pytestmark = pytest.mark.anyio
 # Every test of `client` runs on the thin path of acquire, release and renew and on FastAPI's
 # routes (conftest.py): the two must answer alike.
 BOTH_PATHS = True
-Conn = psycopg.Connection[Any]
-PROBLEM = "application/problem+json"
-
-
-def lock_body(**overrides: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "organization_id": "acme",
-        "job_type": "nightly-report",
-        "holder": "w1",
-        "ttl_seconds": 30,
-    }
-    body.update(overrides)
-    return {key: value for key, value in body.items() if value is not None}
-
-
-async def acquire(client: httpx.AsyncClient, **overrides: Any) -> dict[str, Any]:
-    response = await client.post("/v1/locks", json=lock_body(**overrides))
-    assert response.status_code == 201, response.text
-    grant: dict[str, Any] = response.json()
-    return grant
-
-
-def expire(conn: Conn, lock_id: int) -> None:
-    conn.execute(
-        "UPDATE helix_job_locks SET acquired_at = acquired_at - interval '1 hour',"
-        " expires_at = clock_timestamp() - interval '1 millisecond' WHERE id = %s",
-        (lock_id,),
-    )
-
-
-def assert_problem(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"] == PROBLEM
-    problem: dict[str, Any] = response.json()
-    assert problem["status"] == status
-    assert {"type", "title", "detail"} <= problem.keys()
-    assert "Traceback" not in response.text and "SELECT" not in response.text
-    return problem
 
 
 # --- acquire -----------------------------------------------------------------------------------

@@ -18,16 +18,23 @@ from psycopg.rows import dict_row
 from harness.watch import Watch
 from helix_locks.server import keys, migrate, queries
 from helix_locks.server.app import create_app
-from tests.api.test_api import acquire, assert_problem, expire, lock_body
-from tests.support import ROUTE, in_process
-from tests.system.test_events import replicas
-from tests.system.test_metrics import samples, value
+from tests.support import (
+    ROUTE,
+    Conn,
+    acquire,
+    assert_problem,
+    expire,
+    in_process,
+    lock_body,
+    replicas,
+    samples,
+    value,
+)
 
 pytestmark = pytest.mark.anyio
 # Every test of `client` runs on the thin path of acquire, release and renew and on FastAPI's
 # routes (conftest.py): the two must answer alike.
 BOTH_PATHS = True
-Conn = psycopg.Connection[Any]
 
 
 async def test_a_semaphore_grants_one_lock_per_slot_then_409_names_every_holder(

@@ -15,9 +15,7 @@ import pytest
 from harness.watch import Watch
 from helix_locks.server import keys
 from helix_locks.server.app import create_app
-from tests.api.test_api import acquire, assert_problem, lock_body
-from tests.support import ROUTE, in_process
-from tests.system.test_events import replicas
+from tests.support import ROUTE, acquire, assert_problem, in_process, live_locks, lock_body, replicas
 
 pytestmark = pytest.mark.anyio
 
@@ -125,16 +123,6 @@ async def test_a_waiter_is_woken_when_another_slots_lease_runs_out(client: httpx
     assert time.monotonic() - renewed_at < 4
 
 
-def _live_locks(db_url: str, organization_id: str) -> int:
-    with psycopg.connect(db_url) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM helix_job_locks WHERE organization_id = %s AND released_at IS NULL",
-            (organization_id,),
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
-
-
 async def test_a_repeat_whose_lock_runs_out_as_it_is_claimed_is_not_a_new_grant_past_the_quota(
     db_url: str,
 ) -> None:
@@ -154,7 +142,7 @@ async def test_a_repeat_whose_lock_runs_out_as_it_is_claimed_is_not_a_new_grant_
         assert first.status_code == 201, first.text
         lock: dict[str, Any] = first.json()
         await acquire(client, job_type="other", holder="w2")  # the organization's quota is reached
-        assert _live_locks(db_url, "acme") == 2
+        assert live_locks(db_url, "acme") == 2
         with psycopg.connect(db_url) as patching:
             # The holder's PATCH of its metadata, in flight while the lease runs out.
             patching.execute(
@@ -166,7 +154,7 @@ async def test_a_repeat_whose_lock_runs_out_as_it_is_claimed_is_not_a_new_grant_
             assert not repeat.done()
             patching.commit()
         again = await asyncio.wait_for(repeat, 10)
-        live = _live_locks(db_url, "acme")
+        live = live_locks(db_url, "acme")
         assert live <= 2, f"{live} live locks with a quota of 2; the repeat was answered {again.text}"
         assert again.status_code in (201, 429), again.text
         if again.status_code == 201:

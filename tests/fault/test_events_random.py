@@ -28,8 +28,7 @@ from harness.history import database_history
 from harness.processes import running_service
 from harness.watch import Event, Watch
 from tests.fault.test_events_stress import STATE_CHANGES, changes, differences, history, no_errors_logged
-from tests.support import ROUTE
-from tests.system.test_events import FAST, replicas
+from tests.support import FAST, ROUTE, replicas
 
 # A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]

@@ -25,7 +25,7 @@ from harness.proxies import TcpProxy
 from harness.watch import Event, Watch
 from helix_locks.server import keys
 from helix_locks.server.embedded import DIRECT_DATABASE_URL
-from tests.system.test_events import FAST, replicas
+from tests.support import FAST, replicas
 
 # A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]

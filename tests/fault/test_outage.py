@@ -20,7 +20,7 @@ import pytest
 from harness.processes import children, running_service
 from helix_locks.server import embedded
 from helix_locks.server.migrate import migrate
-from tests.api.test_api import lock_body
+from tests.support import lock_body
 
 # A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
 pytestmark = pytest.mark.fault

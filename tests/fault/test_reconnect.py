@@ -22,11 +22,10 @@ from helix_locks.server.app import create_app
 from helix_locks.server.keys import Caller
 from helix_locks.server.locks import Grant, Locks
 from helix_locks.server.waiting import Waiters
-from tests.support import ROUTE, in_process
+from tests.support import ROUTE, Conn, in_process
 
 # A fault test: run by `scripts/test -m fault`, after the default suite (docs/development.md).
 pytestmark = [pytest.mark.anyio, pytest.mark.fault]
-Conn = psycopg.Connection[Any]
 Key = tuple[str, str]
 
 # 1,000 keys in 10 organizations (an organization may have 1,000 waiters in one process).

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 import psycopg
 import pytest
@@ -11,9 +10,9 @@ import pytest
 from helix_locks.server.db import Database, create_pool
 from helix_locks.server.retention import Pruner
 from helix_locks.server.settings import Settings
+from tests.support import Conn
 
 pytestmark = pytest.mark.anyio
-Conn = psycopg.Connection[Any]
 
 
 def seed(conn: Conn) -> None:

@@ -14,13 +14,9 @@ a migration removes must leave the list too. docs/scaling.md says which are chea
 
 from __future__ import annotations
 
-from typing import Any
-
-import psycopg
-
-Conn = psycopg.Connection[Any]
-
 # Unique indexes and primary keys without organization_id: index name -> why.
+from tests.support import Conn
+
 UNIQUE_EXCEPTIONS = {
     "helix_job_locks_pkey": "lock ids are global today: (id) alone; GET /v1/locks/{id} names no"
     " organization (docs/scaling.md, 'Lock ids')",

@@ -22,9 +22,7 @@ from psycopg.types.json import Jsonb
 
 from harness.history import check, database_history
 from helix_locks.server import queries, schemas
-from tests.support import SWOLLEN, exactly, stored_bytes
-
-Conn = psycopg.Connection[Any]
+from tests.support import SWOLLEN, Conn, exactly, stored_bytes
 
 
 # The statements the service sends, as an admin sends them (scope NULL: any organization's lock).

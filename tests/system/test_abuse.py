@@ -21,10 +21,8 @@ from harness.processes import rss_mb, running_service
 from helix_locks.server import keys
 from helix_locks.server.app import create_app
 from helix_locks.server.locks import LiveLockQuota
-from tests.api.test_api import lock_body
-from tests.api.test_semaphores_abuse import _live_locks
-from tests.support import ROUTE, in_process
-from tests.system.test_exactly_once import Background, Conn, lock_waiters, until
+from tests.support import ROUTE, Conn, in_process, live_locks, lock_body
+from tests.system.test_exactly_once import Background, lock_waiters, until
 
 # Short deadlines, so that the tests wait seconds, not the defaults' ten.
 TIMEOUTS = {"HELIX_LOCKS_HEAD_TIMEOUT_SECONDS": "1", "HELIX_LOCKS_BODY_TIMEOUT_SECONDS": "1"}
@@ -370,7 +368,7 @@ def test_an_acquire_let_through_on_the_count_and_held_up_in_the_database_is_coun
             blocker.rollback()
             first = slow.result()
             rest.result()
-    live = _live_locks(db_url, "acme")
+    live = live_locks(db_url, "acme")
     statuses = [first.status_code] + [answer.status_code for answer in exact]
     assert live <= 20, (
         f"{live} live locks with a quota of 20: the slow acquire answered {first.status_code}, the"
@@ -405,7 +403,7 @@ def test_an_acquire_held_up_in_the_database_far_from_the_quota_holds_up_no_other
         blocker.rollback()
         assert slow.result().status_code == 201
     assert statuses == [201] * 60, statuses
-    assert _live_locks(db_url, "acme") == 61
+    assert live_locks(db_url, "acme") == 61
 
 
 def test_a_replay_at_the_quota_is_judged_by_its_own_effect_while_another_acquire_commits(
@@ -465,7 +463,7 @@ def test_a_replay_at_the_quota_is_judged_by_its_own_effect_while_another_acquire
     )
     assert (again.json()["id"], again.json()["token"]) == (grant.json()["id"], grant.json()["token"])
     statuses = [held_up.status_code] + [answer.status_code for answer in filled]
-    assert _live_locks(db_url, "acme") == 18 + statuses.count(201) <= 20, statuses
+    assert live_locks(db_url, "acme") == 18 + statuses.count(201) <= 20, statuses
 
 
 @pytest.mark.anyio
@@ -488,7 +486,7 @@ async def test_a_count_another_process_took_a_moment_ago_does_not_take_the_organ
         late = [
             (await a.post("/v1/locks", json=lock_body(job_type=f"a-{n}"))).status_code for n in range(1, 4)
         ]
-    live = _live_locks(db_url, "acme")
+    live = live_locks(db_url, "acme")
     assert live <= 20, f"{live} live locks with a quota of 20: A's acquires on its earlier count got {late}"
     assert live == 20 and late == [201, 429, 429], (live, late)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import ExitStack, asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,28 +17,15 @@ import httpx
 import psycopg
 import pytest
 
-from harness.processes import running_service
 from harness.watch import Event, Watch
 from helix_locks.server import keys, queries, schemas
 from helix_locks.server.db import Database, create_pool
 from helix_locks.server.errors import EventsExpired
 from helix_locks.server.events import EventHub, EventIds, Position, Window
 from helix_locks.server.keys import ANONYMOUS, KeyRing
-from tests.support import ROUTE
+from tests.support import ROUTE, replicas
 
 pytestmark = pytest.mark.anyio
-FAST = {"HELIX_LOCKS_EVENTS_POLL_MS": "20", "HELIX_LOCKS_EVENTS_KEEPALIVE_SECONDS": "1"}
-
-
-@contextmanager
-def replicas(db_url: str, tmp_path: Path, count: int = 1, **env: str) -> Iterator[list[str]]:
-    with ExitStack() as stack:
-        yield [
-            stack.enter_context(
-                running_service(env=ROUTE.env(db_url, **{**FAST, **env}), log=tmp_path / f"s{n}.log")
-            )[0]
-            for n in range(count)
-        ]
 
 
 def auth(key: str | None, token: str | None = None) -> dict[str, str]:

@@ -23,8 +23,8 @@ from helix_locks.server.db import Database, create_pool
 from helix_locks.server.errors import OrganizationWatchersFull
 from helix_locks.server.events import KEY_BYTES, EventHub, EventIds, Position, Window
 from helix_locks.server.keys import ANONYMOUS, Caller, KeyRing
-from tests.support import ROUTE
-from tests.system.test_events import FAST, acquire, event_hub, event_ids, release, replicas
+from tests.support import FAST, ROUTE, replicas
+from tests.system.test_events import acquire, event_hub, event_ids, release
 
 pytestmark = pytest.mark.anyio
 

@@ -16,8 +16,8 @@ from psycopg.types.json import Jsonb
 
 from harness.processes import running_service
 from harness.watch import Watch
-from tests.support import ROUTE
-from tests.system.test_events import FAST, acquire, replicas
+from tests.support import FAST, ROUTE, replicas
+from tests.system.test_events import acquire
 
 pytestmark = pytest.mark.anyio
 

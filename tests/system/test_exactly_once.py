@@ -26,9 +26,8 @@ from harness.node import node_example
 from harness.processes import ROOT, helix_command, logged_requests, running_service
 from harness.proxies import LyingProxy
 from helix_locks.client import LockClient
-from tests.support import ROUTE
+from tests.support import ROUTE, Conn
 
-Conn = psycopg.Connection[Any]
 KEY = {"organization_id": "acme", "job_type": "report"}
 
 

@@ -16,8 +16,7 @@ import pytest
 from harness.processes import logged_requests, running_service
 from helix_locks.server import keys, logs
 from helix_locks.server.app import create_app
-from tests.api.test_api import lock_body
-from tests.support import ROUTE, in_process
+from tests.support import ROUTE, in_process, lock_body
 
 
 def test_each_request_is_one_json_line_with_its_id_and_no_secret(db_url: str, tmp_path: Path) -> None:

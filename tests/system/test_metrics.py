@@ -12,34 +12,16 @@ from typing import Any
 
 import anyio
 import httpx
-import psycopg
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from harness.processes import running_service
 from helix_locks.server import keys, openapi, telemetry
 from helix_locks.server.app import create_app
 from helix_locks.server.locks import Locks
 from helix_locks.server.settings import Settings
-from tests.api.test_api import expire, lock_body
-from tests.support import in_process
+from tests.support import Conn, expire, in_process, lock_body, samples, value
 
 pytestmark = pytest.mark.anyio
-Conn = psycopg.Connection[Any]
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def samples(text: str) -> Samples:
-    """Every sample by (name, labels)."""
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(found: Samples, name: str, **labels: str) -> float:
-    return found.get((name, frozenset(labels.items())), 0.0)
 
 
 @pytest.fixture

@@ -33,9 +33,8 @@ from helix_locks.server import queries
 from helix_locks.server.app import create_app
 from helix_locks.server.embedded import DIRECT_DATABASE_URL
 from helix_locks.server.settings import Settings
-from tests.support import ROUTE, in_process
+from tests.support import ROUTE, Conn, in_process
 
-Conn = psycopg.Connection[Any]
 KEY = {"organization_id": "acme", "job_type": "hot"}
 
 # What a provider or a DBA may set on a database; {} is PostgreSQL's own defaults.

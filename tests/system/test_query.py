@@ -15,8 +15,7 @@ from harness.processes import running_service
 from helix_locks.server import api, query
 from helix_locks.server.app import create_app
 from helix_locks.server.settings import Settings
-from tests.api.test_api import acquire, assert_problem, lock_body
-from tests.support import ROUTE
+from tests.support import ROUTE, acquire, assert_problem, lock_body
 
 UNKNOWN = [{"field": "org", "message": "Extra inputs are not permitted"}]
 

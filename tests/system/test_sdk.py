@@ -4,7 +4,6 @@ answer that gets the same grant, a 503's Retry-After honoured, and semaphores (m
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 import queue
@@ -12,8 +11,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -42,60 +40,7 @@ from helix_locks import (
     Unavailable,
 )
 from helix_locks.client import _grant
-
-
-class Either:
-    """A LockClient, or an AsyncLockClient on an event loop of its own thread, called the same way
-    (tests are written once): every method and `lock` block as if synchronous."""
-
-    def __init__(self, kind: str, url: str, **options: Any) -> None:
-        self.kind = kind
-        self._loop: asyncio.AbstractEventLoop | None = None
-        if kind == "sync":
-            self.client: Any = LockClient(url, **options)
-            return
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self.client = self._await(_make_async(url, **options))
-
-    def _await(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
-        assert self._loop is not None
-        future: Future[Any] = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        return future.result(timeout=120)
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self.client, name)
-        if self.kind == "sync":
-            return method  # type: ignore[no-any-return]
-        return lambda *args, **kwargs: self._await(method(*args, **kwargs))
-
-    @contextlib.contextmanager
-    def lock(self, *args: Any, **kwargs: Any) -> Iterator[Lease]:
-        if self.kind == "sync":
-            with self.client.lock(*args, **kwargs) as lease:
-                yield lease
-            return
-        block = self.client.lock(*args, **kwargs)
-        lease = self._await(block.__aenter__())
-        try:
-            yield lease
-        finally:
-            self._await(block.__aexit__(None, None, None))
-
-    def close(self) -> None:
-        if self.kind == "sync":
-            self.client.close()
-            return
-        assert self._loop is not None
-        self._await(self.client.aclose())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
-
-
-async def _make_async(url: str, **options: Any) -> AsyncLockClient:
-    return AsyncLockClient(url, **options)
+from tests.support import either
 
 
 @pytest.fixture(params=["sync", "async"])
@@ -107,15 +52,6 @@ def kind(request: pytest.FixtureRequest) -> str:
 def service(db_url: str, tmp_path: Path) -> Iterator[tuple[str, Any]]:
     with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as started:
         yield started
-
-
-@contextlib.contextmanager
-def either(kind: str, url: str, **options: Any) -> Iterator[Either]:
-    client = Either(kind, url, **options)
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 def test_a_lease_renews_itself_well_past_its_ttl_and_is_released_at_the_end(

@@ -22,10 +22,9 @@ from helix_locks.server.app import create_app
 from helix_locks.server.errors import DatabaseUnavailable, LockHeld
 from helix_locks.server.locks import Grant
 from helix_locks.server.waiting import Waiters
-from tests.support import ROUTE, in_process
+from tests.support import ROUTE, Conn, in_process
 
 pytestmark = pytest.mark.anyio
-Conn = psycopg.Connection[Any]
 
 
 def body(holder: str, wait: float = 0, ttl: float = 30, job_type: str = "report") -> dict[str, Any]:

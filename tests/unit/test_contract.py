@@ -26,7 +26,7 @@ from helix_locks.client import (
     backoff_seconds,
     retry_after_seconds,
 )
-from tests.system.test_sdk import Either, either
+from tests.support import Either, either
 
 CONTRACT = json.loads((ROOT / "clients" / "contract.json").read_text(encoding="utf-8"))
 REQUESTS = CONTRACT["requests"]

@@ -84,3 +84,21 @@ def test_the_domain_imports_nothing_of_http(path: Path) -> None:
 def test_routes_reach_the_database_only_through_the_domain(route: str) -> None:
     found = server_modules(imports(SERVER / f"{route}.py"))
     assert not found & {"db", "migrate", "queries", "listener"}, f"{route}.py imports {sorted(found)}"
+
+
+TESTS = PACKAGE.parents[1] / "tests"
+LAYERS = ("unit", "sql", "api", "system", "fault")
+
+
+@pytest.mark.parametrize("path", sorted(TESTS.glob("*/test_*.py")), ids=lambda p: str(p.relative_to(TESTS)))
+def test_a_test_file_shares_only_through_support_or_within_its_layer(path: Path) -> None:
+    """A layer runs alone: what tests of several layers share is in tests/support.py (or harness/),
+    never in a test file of another layer."""
+    layer = path.parent.name
+    assert layer in LAYERS, f"{path}: not in a layer"
+    others = {
+        name.split(".")[1]
+        for name in imports(path)
+        if name.startswith("tests.") and name.split(".")[1] in LAYERS
+    }
+    assert others <= {layer}, f"{path.relative_to(TESTS)} imports tests of {sorted(others - {layer})}"
