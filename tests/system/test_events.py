@@ -116,7 +116,8 @@ async def test_every_event_type_comes_from_real_operations(db_url: str, tmp_path
             assert expired.type == "expired"
             assert expired.data["at"] == renewed.json()["expires_at"] == expired.data["lock"]["expires_at"]
             late = expired.arrived - moment(renewed.json()["expires_at"]).timestamp()
-            assert 0 <= late < 1.0, f"expired came {late:.3f} s after the lease ran out"
+            # Not before the lease ran out; soon after it, with no request to prompt it (polls are 20 ms).
+            assert 0 <= late < 3, f"expired came {late:.3f} s after the lease ran out"
 
             second = await acquire(http, admin)  # reclaims the first
             forced = await http.delete(f"/v1/locks/{second['id']}?force=true", headers=auth(admin))

@@ -66,12 +66,13 @@ async def test_a_poisoned_resume_fails_alone_and_other_organizations_streams_go_
             await victim.until(1)
             async with Watch(url, key=mallory, last_event_id=forged(db_url, *poison)) as attack:
                 pass
-            await asyncio.sleep(0.5)
-            assert not victim.ended.is_set(), "another organization's forged id ended this stream"
             # A made-up id is the client's mistake: 422, never a 500.
             assert attack.status in (400, 422), (attack.status, attack.problem)
+            # Acme's next change is read after the forged id was: once it has come, whatever the
+            # forged id did to the reader is done.
             await acquire(http, acme, job="after")
             await victim.until(2, within=5)
+            assert not victim.ended.is_set(), "another organization's forged id ended this stream"
         log = (tmp_path / "s0.log").read_text()
         assert "event reader failed" not in log
 
@@ -149,9 +150,13 @@ async def test_resumes_of_one_organization_do_not_delay_another_organizations_li
                 await victim.until(1, within=30)
                 late = victim.events[0].arrived - (time.time() - (time.monotonic() - started))
                 await opening
+                theirs = time.monotonic() - started
                 statuses = sorted({resume.status for resume in resumes})
                 await asyncio.gather(*(resume.__aexit__(None, None, None) for resume in resumes))
-            assert late < 1.0, f"acme's event came {late:.1f} s late, behind mallory's resumes {statuses}"
+            # Behind mallory's resumes, acme's event would come about when the last of them opened.
+            assert late < max(1.0, theirs / 3), (
+                f"acme's event came {late:.1f} s late, of mallory's resumes' {theirs:.1f} s {statuses}"
+            )
             assert statuses == [200], statuses
 
 
@@ -476,9 +481,12 @@ async def test_one_organization_s_resumes_do_not_starve_another_organization_s_r
                 took = time.monotonic() - started
                 status, problem = honest.status, honest.problem
             await opening
+            theirs = time.monotonic() - started
             await asyncio.gather(*(resume.close() for resume in resumes))
     assert status == 200, (status, problem, f"after {took:.1f} s")
-    assert took < 1.0, f"acme's resume waited {took:.1f} s behind mallory's resumes"
+    # Measured against mallory's resumes on the same machine at the same moment: behind all of
+    # them, acme would wait about as long as they take.
+    assert took < max(1.0, theirs / 3), f"acme's resume waited {took:.1f} s of mallory's {theirs:.1f} s"
 
 
 # Event ids are signed with a key kept in the database (issue 34, finding 10): a resume starts only
@@ -562,11 +570,11 @@ async def test_one_organizations_burst_does_not_end_another_organizations_stream
             with psycopg.connect(db_url) as conn:
                 for n in range(6):
                     conn.execute(GRANT, ("mallory", f"burst-{n}"))
-            await asyncio.sleep(1.0)
-            ended, outcome = theirs.ended.is_set(), theirs.outcome
+            # Acme's next grant commits after the burst: once it has come, the burst's window has
+            # been read, and whatever it did to acme's stream is done.
             later = await acquire(http, acme, org="acme", job="after")
-            await asyncio.sleep(0.5)
-            kinds = theirs.kinds()
+            await theirs.until(2, within=10)
+            ended, outcome, kinds = theirs.ended.is_set(), theirs.outcome, theirs.kinds()
     assert not ended, f"acme's stream was ended ({outcome}) by mallory's burst of 6 grants"
     assert kinds == [("acquired", first["id"]), ("acquired", later["id"])], kinds
 

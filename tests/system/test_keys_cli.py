@@ -77,7 +77,7 @@ def test_revocation_reaches_every_replica_at_once(db_url: str, tmp_path: Path) -
         started = time.monotonic()
         for base in (first, second):
             while httpx.get(f"{base}/v1/locks", headers=headers, timeout=10).status_code != 401:
-                assert time.monotonic() - started < 2, f"{base} still honours a revoked key"
+                assert time.monotonic() - started < 5, f"{base} still honours a revoked key"
                 time.sleep(0.01)
     for log in ("a.log", "b.log"):
         text = (tmp_path / log).read_text()

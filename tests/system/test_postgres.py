@@ -138,7 +138,9 @@ async def test_a_waiter_is_woken_by_the_release_whatever_the_databases_defaults(
             assert gone.status_code == 204, gone.text
             granted = await waiter
             assert granted.status_code == 201, granted.text
-            assert time.monotonic() - released < 2, f"round {round_}: woken by its timer, not the release"
+            assert time.monotonic() - released < 5, (
+                f"round {round_}: woken by its 10 s timer, not the release"
+            )
             lock = granted.json()
             assert (
                 await http.delete(f"/v1/locks/{lock['id']}", headers={"Lock-Token": lock["token"]})
@@ -251,7 +253,7 @@ def test_behind_a_transaction_pooler_with_a_direct_url_the_listener_hears_releas
 
         granted, latency = asyncio.run(scenario())
         assert granted.status_code == 201, granted.text
-        assert latency < 1.5, "woken by the release's NOTIFY, not by the holder's expiry"
+        assert latency < 10, "woken by the release's NOTIFY, not by the holder's expiry in 30 s"
     for log in ("a.log", "b.log"):
         text = (tmp_path / log).read_text()
         assert "prepared statement" not in text and '"level": "error"' not in text, text

@@ -58,7 +58,7 @@ async def test_a_waiter_is_granted_as_soon_as_the_holder_releases(client: httpx.
     await release(client, held)
     response = await waiter
     assert response.status_code == 201
-    assert time.monotonic() - released_at < 1, "woken by the release, not by a timer"
+    assert time.monotonic() - released_at < 5, "woken by the release, not by its 10 s wait"
     gone = (await client.get(f"/v1/locks/{held['id']}")).json()
     assert datetime.fromisoformat(response.json()["acquired_at"]) >= datetime.fromisoformat(
         gone["released_at"]
@@ -161,7 +161,7 @@ def test_a_release_in_one_process_wakes_a_waiter_in_another(db_url: str, tmp_pat
 
         response, latency = asyncio.run(scenario())
         assert response.status_code == 201
-        assert latency < 1, "woken by NOTIFY from the other process"
+        assert latency < 10, "woken by NOTIFY from the other process, not by the lease's 30 s"
 
 
 def test_a_waiter_whose_client_left_does_not_keep_the_lock(db_url: str, tmp_path: Path, conn: Conn) -> None:
@@ -217,7 +217,7 @@ def test_sigterm_answers_waiting_requests_at_once(db_url: str, tmp_path: Path) -
 
         response, elapsed = asyncio.run(scenario())
         assert response.status_code == 503
-        assert elapsed < 3
+        assert elapsed < 10, "answered by the shutdown, not at the end of its 30 s wait"
         assert server.wait(timeout=10) == 0
 
 

@@ -342,7 +342,7 @@ def test_nothing_listening_is_said_at_once(kind: str) -> None:
     events, error = watch_until_error(kind, f"http://127.0.0.1:{free_port()}")
     assert events == []
     assert isinstance(error, Unavailable) and "connection refused" in str(error)
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 5, "said at once, not after retrying"
 
 
 def test_a_service_that_keeps_answering_503_is_given_up_after_within(kind: str) -> None:
@@ -352,7 +352,7 @@ def test_a_service_that_keeps_answering_503_is_given_up_after_within(kind: str) 
         took = time.monotonic() - started
     assert events == []
     assert isinstance(error, Unavailable)
-    assert 0.5 < took < 3
+    assert 0.5 < took < 5, f"gave up after {took:.1f} s of a 1 s limit"
     assert len(stand_in.seen) > 3, "retried with backoff"
 
 

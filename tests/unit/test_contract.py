@@ -173,7 +173,7 @@ def test_a_waiting_acquire_asks_again_no_later_than_its_wait_ends(kind: str) -> 
         error = raised(client.acquire, "acme", "report", ttl=30, wait=0.3)
         took = time.monotonic() - started
     assert isinstance(error, LockHeld)
-    assert 0.3 <= took < 0.8, f"gave up after {took:.2f} s of a 0.3 s wait"
+    assert 0.3 <= took < 3, f"gave up after {took:.2f} s of a 0.3 s wait, not after Retry-After's 5 s"
     assert len(server.seen) >= 3, "asked again within the wait"
 
 
@@ -234,7 +234,7 @@ def test_once_the_time_runs_out_a_429_is_its_api_error_and_the_others_unavailabl
         error = raised(client.renew, 1, "token", 30, within=0.5)
         took = time.monotonic() - started
     assert len(server.seen) > 2, "retried until the time ran out"
-    assert took < 2
+    assert took < 5, f"gave up {took:.1f} s after a 0.5 s limit"
     if status in UNKNOWN_OUTCOME:
         assert isinstance(error, Unavailable) and f"answered {status}" in str(error), repr(error)
         assert (error.status, error.problem) == (status, {"status": status, "detail": "busy"})
