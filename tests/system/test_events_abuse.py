@@ -42,6 +42,11 @@ async def _first_event_id(url: str, http: httpx.AsyncClient, key: str, org: str)
     return event.id
 
 
+def joined(watch: Watch) -> bool:
+    """Whether the stream's replay has been read and sent: its first keep-alive follows it."""
+    return bool(watch.comments) or watch.ended.is_set()
+
+
 def forged(db_url: str, after: str, until: str) -> str:
     """An id this service could have signed (the key is in its database) naming a window that
     PostgreSQL's pg_snapshot input refuses: what a leaked key would let a client send."""
@@ -149,14 +154,13 @@ async def test_resumes_of_one_organization_do_not_delay_another_organizations_li
                 await acquire(http, acme)
                 await victim.until(1, within=30)
                 late = victim.events[0].arrived - (time.time() - (time.monotonic() - started))
+                # Behind mallory's resumes, acme's event would come after the hundredth was read.
+                before = sum(joined(resume) for resume in resumes)
                 await opening
-                theirs = time.monotonic() - started
                 statuses = sorted({resume.status for resume in resumes})
                 await asyncio.gather(*(resume.__aexit__(None, None, None) for resume in resumes))
-            # Behind mallory's resumes, acme's event would come about when the last of them opened.
-            assert late < max(1.0, theirs / 3), (
-                f"acme's event came {late:.1f} s late, of mallory's resumes' {theirs:.1f} s {statuses}"
-            )
+            print(f"acme's event came after {before} of mallory's 100 resumes ({late:.2f} s)")
+            assert before < 75, f"acme's event came after {before} of mallory's 100 resumes ({late:.1f} s)"
             assert statuses == [200], statuses
 
 
@@ -480,13 +484,15 @@ async def test_one_organization_s_resumes_do_not_starve_another_organization_s_r
             async with Watch(url, key=acme, last_event_id=acme_id) as honest:
                 took = time.monotonic() - started
                 status, problem = honest.status, honest.problem
+                # Mallory's resumes whose replay was read by the time acme's was: behind them
+                # all, acme's would be read after the hundredth. (Counted, not timed: on a busy
+                # machine every replay is slower, and acme's with them.)
+                before = sum(joined(resume) for resume in resumes)
             await opening
-            theirs = time.monotonic() - started
             await asyncio.gather(*(resume.close() for resume in resumes))
     assert status == 200, (status, problem, f"after {took:.1f} s")
-    # Measured against mallory's resumes on the same machine at the same moment: behind all of
-    # them, acme would wait about as long as they take.
-    assert took < max(1.0, theirs / 3), f"acme's resume waited {took:.1f} s of mallory's {theirs:.1f} s"
+    print(f"acme's resume was read after {before} of mallory's 100 resumes ({took:.2f} s)")
+    assert before < 75, f"acme's resume was read after {before} of mallory's 100 ({took:.1f} s)"
 
 
 # Event ids are signed with a key kept in the database (issue 34, finding 10): a resume starts only
