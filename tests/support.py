@@ -7,7 +7,6 @@ SDK's two clients called alike."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import tempfile
 import threading
@@ -114,14 +113,14 @@ def one_at_a_time(name: str) -> Iterator[None]:
 SWOLLEN = [{"a": [1e308] * 1160}, {"a": [1e-300] * 1160}]
 
 
-def stored_bytes(conn: psycopg.Connection[Any], metadata: Any) -> int:
+def stored_bytes(conn: Conn, metadata: Any) -> int:
     """What metadata is as PostgreSQL stores it: jsonb::text, in bytes."""
     found = conn.execute("SELECT octet_length(%s::jsonb::text)", (Jsonb(metadata),)).fetchone()
     assert found is not None
     return int(found[0])
 
 
-def exactly(conn: psycopg.Connection[Any], size: int) -> dict[str, Any]:
+def exactly(conn: Conn, size: int) -> dict[str, Any]:
     """Metadata of `size` bytes as stored, its numbers far longer stored than sent."""
     metadata: dict[str, Any] = {"n": [1e16] * 100, "pad": ""}
     metadata["pad"] = "x" * (size - stored_bytes(conn, metadata))
@@ -151,6 +150,7 @@ async def acquire(client: httpx.AsyncClient, **overrides: Any) -> dict[str, Any]
 
 
 def expire(conn: Conn, lock_id: int) -> None:
+    """Move a lease into the past on the database clock (no sleeping)."""
     conn.execute(
         "UPDATE helix_job_locks SET acquired_at = acquired_at - interval '1 hour',"
         " expires_at = clock_timestamp() - interval '1 millisecond' WHERE id = %s",
@@ -225,7 +225,7 @@ class Either:
             return method  # type: ignore[no-any-return]
         return lambda *args, **kwargs: self._await(method(*args, **kwargs))
 
-    @contextlib.contextmanager
+    @contextmanager
     def lock(self, *args: Any, **kwargs: Any) -> Iterator[Lease]:
         if self.kind == "sync":
             with self.client.lock(*args, **kwargs) as lease:
@@ -253,7 +253,7 @@ async def _make_async(url: str, **options: Any) -> AsyncLockClient:
     return AsyncLockClient(url, **options)
 
 
-@contextlib.contextmanager
+@contextmanager
 def either(kind: str, url: str, **options: Any) -> Iterator[Either]:
     client = Either(kind, url, **options)
     try:

@@ -22,7 +22,7 @@ from psycopg.types.json import Jsonb
 
 from harness.history import check, database_history
 from helix_locks.server import queries, schemas
-from tests.support import SWOLLEN, Conn, exactly, stored_bytes
+from tests.support import SWOLLEN, Conn, exactly, expire, stored_bytes
 
 
 # The statements the service sends, as an admin sends them (scope NULL: any organization's lock).
@@ -85,15 +85,6 @@ def update(conn: Conn, lock_id: int, token: str, metadata: dict[str, Any] | None
     rows = conn.cursor(row_factory=dict_row).execute(queries.UPDATE, params).fetchall()
     assert len(rows) == 1
     return rows[0]
-
-
-def expire(conn: Conn, lock_id: int) -> None:
-    """Move a lease into the past on the database clock (no sleeping)."""
-    conn.execute(
-        "UPDATE helix_job_locks SET acquired_at = acquired_at - interval '1 hour',"
-        " expires_at = clock_timestamp() - interval '1 millisecond' WHERE id = %s",
-        (lock_id,),
-    )
 
 
 def row(conn: Conn, lock_id: int) -> dict[str, Any]:
