@@ -58,14 +58,16 @@ DEFAULTS = {
 def defaults_db_url(request: pytest.FixtureRequest, db_url: str, conn: Conn) -> str:
     """The test's database, with the defaults of request.param set on it for new sessions.
 
-    Through PgBouncer, transaction_timeout is 1 s, not 20 ms: PgBouncer's own transaction that
-    sets a new server connection's DateStyle and TimeZone runs under it, out of the service's
-    reach (docs/operations.md, "Behind a transaction pooler"); the service's statements set it
-    off either way."""
+    Through PgBouncer, transaction_timeout and statement_timeout are 1 s, not 20 ms: PgBouncer's
+    own transaction that sets a new server connection's DateStyle and TimeZone runs under the
+    first, and the two statements that begin each of the service's transactions (SET TRANSACTION,
+    then set_config of its own settings) run under the second before they replace it, out of the
+    service's reach (docs/operations.md, "Behind a transaction pooler"). 20 ms canceled one of a
+    thousand on a busy machine: a 503. The service's statements set both off either way."""
     known = {name for (name,) in conn.execute("SELECT name FROM pg_settings")}
     name = conninfo_to_dict(db_url)["dbname"]
     for setting, value in DEFAULTS[request.param].items():
-        if setting == "transaction_timeout" and ROUTE.pooler_port is not None:
+        if setting in ("transaction_timeout", "statement_timeout") and ROUTE.pooler_port is not None:
             value = "1s"
         if setting in known:
             conn.execute(
