@@ -21,7 +21,7 @@ from psycopg.conninfo import make_conninfo
 
 from bench import BenchError
 from harness.processes import ROOT
-from helix_locks.server.migrate import migrate
+from helix_locks.server.migrate import load, migrate
 
 
 @contextmanager
@@ -96,11 +96,13 @@ def seed(url: str, history: int, live: int) -> str:
     )
 
 
-def base_tree(workdir: Path, rev: str | None, migration: str) -> tuple[Path, str]:
+def base_tree(workdir: Path, rev: str | None, migration: str | None) -> tuple[Path, str]:
     """The code before `migration` (service/ and migrations/ of `rev`, by default of the commit
     before the one that added it, or HEAD while it is uncommitted), exported into workdir/base with
-    `git archive`; and which commit it is."""
+    `git archive`; and which commit it is. Without a migration, `rev`'s code, whatever it has."""
     if rev is None:
+        if migration is None:
+            raise BenchError("the base needs a commit or a migration it lacks")
         added = subprocess.run(
             ["git", "-C", str(ROOT), "log", "-1", "--format=%H", "--diff-filter=A", "--", migration],
             capture_output=True,
@@ -119,7 +121,7 @@ def base_tree(workdir: Path, rev: str | None, migration: str) -> tuple[Path, str
     base = workdir / "base"
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(base, filter="data")
-    if (base / migration).exists():
+    if migration is not None and (base / migration).exists():
         raise BenchError(f"{rev} ({commit}) already has {migration}: pass --base with an older commit")
     return base, commit
 
@@ -151,13 +153,13 @@ def before_and_after(
     database: tuple[str, str],
     workdir: Path,
     rev: str | None,
-    migration: str,
+    migration: str | None,
     seeding: tuple[int, int],
     cleanup: ExitStack,
 ) -> Before:
     """Two databases on the server of bench_database's (url, where), seeded alike with (history,
     live): B's (url) migrated by this tree, A's (a second one, dropped on exit) by the code before
-    `migration` (see base_tree)."""
+    `migration`, or by `rev`'s without one (see base_tree)."""
     url, where = database
     base, commit = base_tree(workdir, rev, migration)
     base_db_url = other_database(url, f"{database_name(url)}_before", cleanup)
@@ -169,11 +171,12 @@ def before_and_after(
     with psycopg.connect(base_db_url) as conn:
         applied = [row[0] for row in conn.execute("SELECT name FROM helix_schema_migrations ORDER BY 1")]
         version = conn.execute("SHOW server_version").fetchone()
-    if any(name.startswith(Path(migration).name[:4]) for name in applied):
+    if migration is not None and any(name.startswith(Path(migration).name[:4]) for name in applied):
         raise BenchError(f"A's database has {migration}")
     setup = [
         f"database: {where}, PostgreSQL {version[0] if version else '?'}",
-        f"A: commit {commit} (up to {applied[-1]}), served from a git archive; B: this tree",
+        f"A: commit {commit} (up to {applied[-1]}), served from a git archive;"
+        f" B: this tree (up to {load()[-1].name})",
     ]
     for target in (base_db_url, url):
         seeded = seed(target, *seeding)
