@@ -3,12 +3,10 @@ seeding with other organizations' history and live locks."""
 
 from __future__ import annotations
 
-import io
 import os
 import secrets
 import subprocess
 import sys
-import tarfile
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -20,7 +18,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from bench import BenchError
-from harness.processes import ROOT
+from harness.builds import previous_build
 from helix_locks.server.migrate import load, migrate
 
 
@@ -96,36 +94,6 @@ def seed(url: str, history: int, live: int) -> str:
     )
 
 
-def base_tree(workdir: Path, rev: str | None, migration: str | None) -> tuple[Path, str]:
-    """The code before `migration` (service/ and migrations/ of `rev`, by default of the commit
-    before the one that added it, or HEAD while it is uncommitted), exported into workdir/base with
-    `git archive`; and which commit it is. Without a migration, `rev`'s code, whatever it has."""
-    if rev is None:
-        if migration is None:
-            raise BenchError("the base needs a commit or a migration it lacks")
-        added = subprocess.run(
-            ["git", "-C", str(ROOT), "log", "-1", "--format=%H", "--diff-filter=A", "--", migration],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        rev = f"{added}^" if added else "HEAD"
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", commit, "service", "migrations"],
-        capture_output=True,
-        check=True,
-    ).stdout
-    base = workdir / "base"
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(base, filter="data")
-    if migration is not None and (base / migration).exists():
-        raise BenchError(f"{rev} ({commit}) already has {migration}: pass --base with an older commit")
-    return base, commit
-
-
 def other_database(url: str, name: str, cleanup: ExitStack) -> str:
     """A second empty database on url's server, dropped on exit."""
     with psycopg.connect(url, autocommit=True) as conn:
@@ -159,9 +127,12 @@ def before_and_after(
 ) -> Before:
     """Two databases on the server of bench_database's (url, where), seeded alike with (history,
     live): B's (url) migrated by this tree, A's (a second one, dropped on exit) by the code before
-    `migration`, or by `rev`'s without one (see base_tree)."""
+    `migration`, or by `rev`'s without one (harness.builds.previous_build)."""
     url, where = database
-    base, commit = base_tree(workdir, rev, migration)
+    try:
+        base, commit = previous_build(workdir, rev, migration)
+    except ValueError as exc:
+        raise BenchError(f"{exc} (--base)") from None
     base_db_url = other_database(url, f"{database_name(url)}_before", cleanup)
     env = {"PYTHONPATH": str(base / "service")}
     command = [sys.executable, "-m", "helix_locks.cli", "migrate"]
