@@ -1,4 +1,4 @@
--- The live-lock quota, exact where it matters (issue 16; service/helix_locks/server/locks.py,
+-- The live-lock quota, exact where it matters (issue 16; service/helix_locks/locks.py,
 -- LiveLockQuota). Each service process counts an organization's live locks now and then and
 -- lets acquires through on that count while it is well below the quota. Within the last twentieth
 -- of the quota that is not enough: several processes, each trusting its own count, together

@@ -1,5 +1,5 @@
 -- The live-lock quota, exact for any number of processes (issue 34, items 5 and 6;
--- service/helix_locks/server/locks.py, LiveLockQuota). Every signature of 0018 stays, so replicas of the
+-- service/helix_locks/locks.py, LiveLockQuota). Every signature of 0018 stays, so replicas of the
 -- previous build call these functions unchanged during a rolling upgrade.
 --
 -- Far from the quota a process lets acquires through on a count it took, without counting each,

@@ -1,0 +1,178 @@
+"""Rolling upgrades from builds that users may run: the earlier build (its service/ and migrations/,
+exported from git) migrates a database and serves it; workers cycle through it while this build
+migrates the database further and a replica of this build joins. Live locks and history made
+before the upgrade are kept, both builds answer correctly throughout, and the grants of both are
+one lock's history.
+
+BUILDS are landed builds, named by commit. When a migration lands, add the build it upgrades from
+(main's head before it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections import Counter
+from contextlib import ExitStack
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from harness.builds import previous_build
+from harness.history import Told, check, database_history
+from harness.processes import ROOT, helix_command, running_service
+from helix_locks.server.migrate import EARLIER_CHECKSUMS, Migration, load
+from tests.support import ROUTE
+
+HOT = ("acme", "upgrade-hot")
+BUILDS = {
+    # Migrations 0001 to 0018: the upgrade applies 0019 to 0022 while it serves.
+    "a1f1632": "before the exact event stream and quota (issue 34)",
+    # Every migration, two of them as the server's move left their comments (EARLIER_CHECKSUMS).
+    "020073f": "tests in layers (issue 36)",
+}
+
+
+def applied(db_url: str) -> list[str]:
+    with psycopg.connect(db_url) as conn:
+        return [str(name) for (name,) in conn.execute("SELECT name FROM helix_schema_migrations ORDER BY 1")]
+
+
+def migrate(env: dict[str, str | None]) -> None:
+    environment = {key: value for key, value in {**os.environ, **env}.items() if value is not None}
+    done = subprocess.run(helix_command("migrate"), env=environment, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def acquire(url: str, job_type: str, holder: str, ttl: float = 30) -> httpx.Response:
+    body = {"organization_id": HOT[0], "job_type": job_type, "holder": holder, "ttl_seconds": ttl}
+    return httpx.post(f"{url}/v1/locks", json=body, timeout=15)
+
+
+def lock_call(method: str, url: str, lock: dict[str, Any], **kw: Any) -> httpx.Response:
+    return httpx.request(
+        method, f"{url}/v1/locks/{lock['id']}", headers={"Lock-Token": lock["token"]}, timeout=15, **kw
+    )
+
+
+class Workers:
+    """Threads that acquire and release the hot key through the replicas they are given, until
+    stopped: every answer counted by replica, every grant told to the checker."""
+
+    def __init__(self) -> None:
+        self.answers: Counter[str] = Counter()
+        self.told: list[Told] = []
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def start(self, name: str, url: str, count: int) -> None:
+        for n in range(count):
+            thread = threading.Thread(target=self.cycle, args=(name, url, f"{name}-{n}"), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def cycle(self, name: str, url: str, holder: str) -> None:
+        while not self.stop.is_set():
+            try:
+                got = acquire(url, HOT[1], holder)
+                self.answers[f"{name} acquire {got.status_code}"] += 1
+                if got.status_code != 201:
+                    continue
+                lock = got.json()
+                at = datetime.fromisoformat(lock["acquired_at"])
+                self.told.append(Told(lock["id"], HOT, lock["fencing_token"], at))
+                self.answers[f"{name} release {lock_call('DELETE', url, lock).status_code}"] += 1
+            except httpx.TransportError as exc:  # counted, and the test fails on it
+                self.answers[f"{name} {type(exc).__name__}"] += 1
+                time.sleep(0.1)
+
+    def join(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+
+def git(*args: str) -> bytes:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, check=True).stdout
+
+
+def test_an_earlier_checksum_a_migration_accepts_is_a_version_that_differs_in_comments_alone() -> None:
+    def sql(text: bytes) -> list[str]:
+        lines = (line.split("--", 1)[0].rstrip() for line in text.decode().splitlines())
+        return [line for line in lines if line]
+
+    current = {m.name: m for m in load()}
+    for name, checksums in EARLIER_CHECKSUMS.items():
+        versions = {}
+        for commit in git("log", "--format=%H", "--", f"migrations/{name}").decode().split():
+            with_it = git("show", f"{commit}:migrations/{name}")
+            versions[Migration(name, with_it).checksum] = with_it
+        for checksum in checksums:
+            assert checksum in versions, f"{name}: no version in git has {checksum}"
+            assert sql(versions[checksum]) == sql(current[name].sql), f"{name}: {checksum} differs in SQL"
+
+
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_a_rolling_upgrade_keeps_live_locks_and_history_while_an_earlier_build_serves(
+    build: str, empty_db_url: str, tmp_path: Path
+) -> None:
+    base, commit = previous_build(tmp_path, build, None)
+    env = ROUTE.env(empty_db_url)
+    old_env = {**env, "PYTHONPATH": str(base / "service")}
+    migrate(old_env)
+    before = applied(empty_db_url)
+    # The earlier build ran, not this one: it applied its own migrations.
+    assert before == sorted(p.name for p in (base / "migrations").glob("0*.sql")), (commit, before)
+
+    workers = Workers()
+    with ExitStack() as stack:
+        stack.callback(workers.join)  # last, after the services stopped, should the test fail early
+        old, _ = stack.enter_context(running_service(env=old_env, log=tmp_path / "old.log"))
+        ended = []
+        for n in range(3):
+            lock = acquire(old, f"upgrade-ended-{n}", "before").json()
+            assert lock_call("DELETE", old, lock).status_code == 204
+            ended.append(lock)
+        live = [acquire(old, f"upgrade-live-{n}", "before", ttl=300).json() for n in range(3)]
+        assert all("token" in lock for lock in live), live
+
+        workers.start("old", old, 4)
+        time.sleep(0.5)
+        migrate(env)  # this build, while the earlier one serves
+        assert applied(empty_db_url) == [m.name for m in load()]
+        new, _ = stack.enter_context(running_service(env=env, log=tmp_path / "new.log"))
+        workers.start("new", new, 4)
+        time.sleep(2)
+        workers.join()
+
+        # What the previous build granted lives on in this one, and the other way round.
+        for lock in live:
+            got = httpx.post(
+                f"{new}/v1/locks/{lock['id']}/renew",
+                headers={"Lock-Token": lock["token"]},
+                json={"ttl_seconds": 60},
+                timeout=15,
+            )
+            assert got.status_code == 200, got.text
+            assert got.json()["fencing_token"] == lock["fencing_token"]
+            assert lock_call("DELETE", old, lock).status_code == 204
+        for lock in ended:
+            got = httpx.get(f"{new}/v1/locks/{lock['id']}", timeout=15)
+            assert got.status_code == 200, got.text
+            assert got.json()["state"] == "released"
+        after = acquire(old, "upgrade-after", "old-after")
+        assert after.status_code == 201, after.text
+        assert acquire(new, "upgrade-after", "new-after").status_code == 409
+
+    answers = workers.answers
+    assert set(answers) <= {
+        f"{side} {call}" for side in ("old", "new") for call in ("acquire 201", "acquire 409", "release 204")
+    }, answers
+    # Both builds granted the hot key while the other served it.
+    assert answers["old acquire 201"] > 0 and answers["new acquire 201"] > 0, answers
+    assert check(database_history(empty_db_url), workers.told, []) == []
