@@ -8,7 +8,8 @@
 #   bench/prototypes/lean.sh [DATABASE_URL]    # default postgresql://postgres@127.0.0.1:5432/postgres
 #
 # It creates and drops the database lean_proto on that server. CLIENTS (default "4 32") and
-# SECONDS_MEASURED (default 10) choose the levels. One line per level and call:
+# SECONDS_MEASURED (default 10) choose the levels; LEAN_VARIANT, SQL run after lean.sql, measures
+# a variant of the model. One line per level and call:
 # call|clients|calls/s|calls|failed|WAL bytes/call|WAL records/call|full-page images/call.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -21,6 +22,8 @@ sql() { psql "$db_url" -X -q -At -v ON_ERROR_STOP=1 "$@"; }
 
 psql "$url" -X -q -v ON_ERROR_STOP=1 -c "DROP DATABASE IF EXISTS lean_proto" -c "CREATE DATABASE lean_proto"
 sql -f "$here/lean.sql"
+# A variant of the model: SQL run after lean.sql (an index added, one dropped), as LEAN_VARIANT.
+[ -z "${LEAN_VARIANT:-}" ] || sql -c "$LEAN_VARIANT"
 # Ended locks of 100 other organizations, as bench.ceiling seeds its database.
 sql -c "INSERT INTO lean_history (id, organization_id, job_type, slot, holder, fencing_token,
           acquired_at, expires_at, released_at, release_reason)
