@@ -56,13 +56,12 @@ from pathlib import Path
 import psycopg
 
 from bench import BenchError, interrupted, load_average, log, said_and_stopped, tool_output
-from bench.database import before_and_after, bench_database, seed
+from bench.database import before_and_after, bench_database, migration_named, seed
 from bench.pgbench import pgbench_path
 from bench.results import CPUS, busy_cores, busy_cpu_ticks
-from helix_locks.server.migrate import migrate, migrations_dir
+from helix_locks.server.migrate import migrate
 
 ORGANIZATION = "bench"
-MIGRATIONS = migrations_dir()
 LEVELS = (1, 2, 4, 8, 16, 32, 64)
 QUICK_LEVELS = (1, 8, 32)
 # A day, the longest lease there is: no renewal lock lapses between levels.
@@ -223,12 +222,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--duration and --clients must be >= 1, --warmup >= 0, --replica-cycles > 0")
     if not 0 <= args.coalesce <= 100:
         parser.error("--coalesce: 0 (not) to 100")
-    args.migration = None
-    if args.since:
-        found = sorted(MIGRATIONS.glob(f"{args.since}_*.sql"))
-        if len(found) != 1:
-            parser.error(f"--since: no one migration {args.since}_*.sql in migrations/")
-        args.migration = f"migrations/{found[0].name}"
+    try:
+        args.migration = migration_named(args.since) if args.since else None
+    except ValueError as exc:
+        parser.error(f"--since: {exc}")
     return args
 
 

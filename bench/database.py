@@ -19,7 +19,7 @@ from psycopg.conninfo import make_conninfo
 
 from bench import BenchError
 from harness.builds import previous_build
-from helix_locks.server.migrate import load, migrate
+from helix_locks.server.migrate import load, migrate, migrations_dir
 
 
 @contextmanager
@@ -92,6 +92,15 @@ def seed(url: str, history: int, live: int) -> str:
         f"{history:,} ended locks on {keys:,} keys of {SEED_ORGANIZATIONS} organizations"
         f" + {live:,} live locks, then VACUUM ANALYZE"
     )
+
+
+def migration_named(number: str) -> str:
+    """This tree's migration NNNN as a path from the repository's root ("migrations/NNNN_….sql");
+    ValueError if there is not exactly one."""
+    found = sorted(migrations_dir().glob(f"{number}_*.sql"))
+    if len(found) != 1:
+        raise ValueError(f"no one migration {number}_*.sql in migrations/")
+    return f"migrations/{found[0].name}"
 
 
 def other_database(url: str, name: str, cleanup: ExitStack) -> str:

@@ -9,6 +9,7 @@ from bench.results import CPUS, Result, percentile
 from bench.wrk import WrkResult
 
 SIDES = ("helix", "bare", "etcd", "pgbench")
+BASE_SIDES = ("helix-A", "pgbench-A")  # --base: the service and schema of another commit
 
 
 def median(results: list[Result]) -> Result:
@@ -37,6 +38,31 @@ def table(levels: list[int], medians: dict[str, list[Result]]) -> str:
         for side in others:
             line += f" | {h.cycles_per_second / medians[side][index].cycles_per_second:>13.2f}"
         lines.append(line)
+    return "\n".join(lines)
+
+
+def base_table(levels: list[int], runs: dict[str, list[list[Result]]]) -> str:
+    """Per level, this tree (B) beside the base commit (A): helix's and pgbench's cycles/s, B over
+    A, and each helix over etcd."""
+    medians = {side: [median(level) for level in levels] for side, levels in runs.items()}
+    header = (
+        f"{'clients':>7} | {'helix-A cycles/s':>16} {'p99 ms':>7} | {'helix cycles/s':>14} {'p99 ms':>7}"
+        f" | {'helix/helix-A':>13} | {'helix-A/etcd':>12} | {'helix/etcd':>10}"
+        f" | {'pgbench-A':>9} | {'pgbench':>7} | {'pgbench/pgbench-A':>17}"
+    )
+    lines = [header, "-" * len(header)]
+    for index, clients in enumerate(levels):
+        a, b, etcd = (medians[side][index] for side in ("helix-A", "helix", "etcd"))
+        pa, pb = medians["pgbench-A"][index], medians["pgbench"][index]
+        lines.append(
+            f"{clients:>7} | {a.cycles_per_second:>16,.0f} {a.p99_ms:>7.2f}"
+            f" | {b.cycles_per_second:>14,.0f} {b.p99_ms:>7.2f}"
+            f" | {b.cycles_per_second / a.cycles_per_second:>13.2f}"
+            f" | {a.cycles_per_second / etcd.cycles_per_second:>12.2f}"
+            f" | {b.cycles_per_second / etcd.cycles_per_second:>10.2f}"
+            f" | {pa.cycles_per_second:>9,.0f} | {pb.cycles_per_second:>7,.0f}"
+            f" | {pb.cycles_per_second / pa.cycles_per_second:>17.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -81,6 +107,14 @@ def report(
         *(f"  {line}" for line in setup),
         "",
         table(args.levels, medians),
+    ]
+    if "helix-A" in runs:
+        lines += [
+            "",
+            "this tree (helix, pgbench) beside the base commit (helix-A, pgbench-A), medians:",
+            base_table(args.levels, runs),
+        ]
+    lines += [
         "",
         "cycles/s of every run, in order:",
     ]

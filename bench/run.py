@@ -3,6 +3,7 @@
     python -m bench.run            # 1, 8 and 32 clients; 3 runs of 3 s warm-up + 10 s per level and side
     python -m bench.run --quick    # smoke run: 1 run of 1 s warm-up + 3 s
     python -m bench.run --chart chart.png   # also draw cycles/s and p99 against clients (matplotlib)
+    python -m bench.run --base REV # also "helix-A": the service and schema of commit REV, in turns
 
 (from the repository root). The parts are modules beside this one: the servers, the HTTP client
 and load, pgbench, wrk, the plan checks and the report; this one is the command.
@@ -24,6 +25,12 @@ Last, where Debian's wrk is installed, wrk drives the same helix, bare and etcd 
 level (bench/wrk/cycles.lua, a thread per connection) as a cross-check of the Python load
 generator, with the service workers' CPU time per cycle for helix and bare.
 
+With --base REV (or --since NNNN: the commit before the one that added migration NNNN), a fifth
+and sixth side take their turns too: "helix-A", the service of commit REV (exported with `git
+archive`, served from there) on a database of its own beside this one's, migrated by REV's code
+and seeded alike, and "pgbench-A", pgbench on it; the report adds this tree's figures over A's and
+both beside etcd's.
+
 The database is a throwaway one: `helix_bench_<random>` on DATABASE_URL's server when that is set,
 else an embedded PostgreSQL in a temporary directory. It is seeded (released history of 100
 organizations and live locks, then ANALYZE) before anything is measured, and everything is removed
@@ -43,13 +50,13 @@ from pathlib import Path
 
 import psycopg
 
-from bench import interrupted, load_average, log, said_and_stopped
+from bench import BenchError, interrupted, load_average, log, said_and_stopped
 from bench.chart import draw
-from bench.database import bench_database, seed
+from bench.database import before_and_after, bench_database, migration_named, seed
 from bench.http_load import run_http
 from bench.pgbench import run_pgbench
 from bench.plans import check_listing_plans, check_plans
-from bench.report import SIDES, median, report
+from bench.report import BASE_SIDES, SIDES, median, report
 from bench.results import CPUS, Result
 from bench.servers import bare_process, create_key, etcd_server, service_process, worker_pids
 from bench.wrk import WrkResult, run_wrk
@@ -112,7 +119,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also draw cycles/s and p99 against clients, every side's median run, as a PNG"
         " (needs matplotlib)",
     )
+    parser.add_argument("--base", help="also serve commit REV's service and schema, as side A")
+    parser.add_argument("--since", help="A is the commit before the one that added migration NNNN")
     args = parser.parse_args(argv)
+    try:
+        args.migration = migration_named(args.since) if args.since else None
+    except ValueError as exc:
+        parser.error(f"--since: {exc}")
+    args.ab = bool(args.base or args.migration)
+    if args.ab and args.pgbouncer:
+        parser.error("--pgbouncer measures one side: not with --base or --since")
     if args.chart and importlib.util.find_spec("matplotlib") is None:
         parser.error("--chart needs matplotlib: pip install matplotlib (it is in the dev extra)")
     try:
@@ -134,17 +150,25 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, interrupted)
     # Anything else running skews the numbers on a small machine: say how busy it was.
     setup = [load_average()]
-    runs: dict[str, list[list[Result]]] = {side: [[] for _ in args.levels] for side in SIDES}
+    sides = SIDES + (BASE_SIDES if args.ab else ())
+    runs: dict[str, list[list[Result]]] = {side: [[] for _ in args.levels] for side in sides}
     with said_and_stopped(), ExitStack() as cleanup:
         workdir = Path(tempfile.mkdtemp(prefix="helix-bench-"))
         cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
-        url, where = cleanup.enter_context(bench_database(workdir))
-        with psycopg.connect(url) as conn:
-            version = conn.execute("SHOW server_version").fetchone()
-        setup.append(f"database: {where}, PostgreSQL {version[0] if version else '?'}")
-        log(setup[-1])
-        migrate(url)
-        setup.append(f"seeded: {seed(url, args.history, args.live)}")
+        database = cleanup.enter_context(bench_database(workdir))
+        url, where = database
+        if args.ab:
+            before = before_and_after(
+                database, workdir, args.base, args.migration, (args.history, args.live), cleanup
+            )
+            setup += before.setup
+        else:
+            with psycopg.connect(url) as conn:
+                version = conn.execute("SHOW server_version").fetchone()
+            setup.append(f"database: {where}, PostgreSQL {version[0] if version else '?'}")
+            log(setup[-1])
+            migrate(url)
+            setup.append(f"seeded: {seed(url, args.history, args.live)}")
         log(setup[-1])
         setup.append(check_plans(url))
         log(setup[-1])
@@ -182,10 +206,27 @@ def main(argv: list[str] | None = None) -> int:
         setup.append("pgbench: the same two SQL function calls, -M prepared, one transaction per cycle")
         timing = f"{args.warmup} s warm-up + {args.duration} s"
         http_sides = {"helix": (base_url, key), "bare": (bare_url, None), "etcd": (etcd_url, None)}
+        databases = {"pgbench": url}
+        if args.ab:
+            a_url, _ = cleanup.enter_context(
+                service_process(before.url, args.workers, workdir / "a.log", before.env)
+            )
+            with psycopg.connect(before.url) as conn:
+                applied = conn.execute("SELECT count(*) FROM helix_schema_migrations").fetchone()
+            if applied != (before.migrations,):
+                raise BenchError("serving A migrated its database further: it runs this tree's code")
+            http_sides["helix-A"] = (a_url, create_key(before.url, a_url))
+            databases["pgbench-A"] = before.url
+            setup.append("helix-A and pgbench-A: the same, on A's service and database")
         for run in range(args.runs):
             for index, clients in enumerate(args.levels):
                 log(f"run {run + 1}/{args.runs}, {clients} client(s): each side {timing} ...")
-                for side, (side_url, side_key) in http_sides.items():
+                # A and B take turns: helix-A goes last in one run, first in the next.
+                order = list(http_sides)
+                if args.ab and run % 2 == 1:
+                    order = ["helix-A", *order[:-1]]
+                for side in order:
+                    side_url, side_key = http_sides[side]
                     runs[side][index].append(
                         run_http(
                             side_url,
@@ -199,18 +240,21 @@ def main(argv: list[str] | None = None) -> int:
                             run,
                         )
                     )
-                runs["pgbench"][index].append(run_pgbench(url, clients, args.warmup, args.duration, workdir))
+                for side, side_db in databases.items():
+                    measured = run_pgbench(side_db, clients, args.warmup, args.duration, workdir)
+                    runs[side][index].append(measured)
         log(f"hot key: {max(args.levels)} clients on one key, {timing} ...")
         hot = run_http(
             base_url, "hot", key, max(args.levels), args.processes, args.warmup, args.duration, args.httpx
         )
         rss = [rss_mb(pid) for pid in worker_pids(process.pid)]
-        checked: dict[str, list[WrkResult]] = {side: [] for side in http_sides}
+        checked: dict[str, list[WrkResult]] = {side: [] for side in SIDES[:3]}
         served = {"helix": worker_pids(process.pid), "bare": worker_pids(bare_app.pid), "etcd": []}
         if shutil.which("wrk"):
             for clients in args.levels:
                 log(f"wrk cross-check, {clients} client(s): each side {timing} ...")
-                for side, (side_url, side_key) in http_sides.items():
+                for side in checked:
+                    side_url, side_key = http_sides[side]
                     checked[side].append(
                         run_wrk(side_url, side, side_key, clients, args.warmup, args.duration, served[side])
                     )
