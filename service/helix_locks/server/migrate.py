@@ -50,13 +50,16 @@ def load() -> tuple[Migration, ...]:
     return tuple(Migration(p.name, p.read_bytes()) for p in files)
 
 
-# Files whose bytes changed, in comments only, after a build that users may run had applied them:
-# the checksums of those versions, accepted as this file applied. (A path in 0013's and 0020's
-# header comments followed the server's move to helix_locks/server/; the move landed, and then
-# the files were put back as every earlier build had them. tests/system/test_upgrade.py migrates
-# databases that those builds made.) Never add a version whose SQL differs.
+# Files whose bytes changed, in comments only, after a build of main had applied them: the
+# checksums of those versions, accepted as this file applied. (A path in 0013's and 0020's header
+# comments followed the server's move to helix_locks/server/; the move landed, and then the files
+# were put back as every earlier build had them. 0015's comment was reworded at c0dc7bb's next
+# commit.) tests/system/test_upgrade.py migrates databases that such builds made and checks that
+# each version here differs in comments alone. Never add a version whose SQL differs: a database
+# that applied it has other functions than this file makes (docs/operations.md, "Upgrading").
 EARLIER_CHECKSUMS = {
     "0013_quota_in_the_database.sql": {"511b42800085f53c667521420a1b5593abf0441c575101dc0b60eb68bafcfc42"},
+    "0015_update_metadata.sql": {"765bb0ede2543f313c4f22ffd3a4a0ea812444d782430df4eb828f38dbee6502"},
     "0020_quota_exact.sql": {"601dcabbb46c3fa5f19ab02d89cb42d695aa8ce3b473bb6ccb4f9bf640bd3e27"},
 }
 
