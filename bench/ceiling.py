@@ -215,11 +215,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError:
         parser.error("--clients: comma-separated numbers")
     args.levels = levels or list(QUICK_LEVELS if quick else LEVELS)
-    args.duration = args.duration or (3 if quick else 10)
+    args.duration = args.duration if args.duration is not None else (3 if quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if quick else 3)
     args.history = args.history if args.history is not None else (20_000 if quick else 200_000)
     if min([args.duration, *args.levels]) < 1 or args.warmup < 0 or args.replica_cycles <= 0:
         parser.error("--duration and --clients must be >= 1, --warmup >= 0, --replica-cycles > 0")
+    if args.history < 0 or args.live < 0:
+        parser.error("--history and --live must be >= 0")
     if not 0 <= args.coalesce <= 100:
         parser.error("--coalesce: 0 (not) to 100")
     try:
@@ -560,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         log("; ".join(setup[1:]))
         measure(args, sides, workdir)
     print(report(args, setup, sides))
-    failures = sum(m.failed for side in sides for m in side.cycles + side.renewals)
+    failures = sum(m.failed for side in sides for m in side.cycles + side.renewals + side.coalesced)
     return 0 if failures == 0 else 1
 
 

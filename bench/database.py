@@ -141,16 +141,28 @@ def before_and_after(
     try:
         base, commit = previous_build(workdir, rev, migration)
     except ValueError as exc:
-        raise BenchError(f"{exc} (--base)") from None
+        raise BenchError(f"no base to measure: {exc}") from None
+    except subprocess.CalledProcessError as exc:  # git: no such commit, no history
+        said = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr)
+        raise BenchError(f"no base to measure: git says {said.strip()}") from None
+    # Without the package where this tree has it, PYTHONPATH would fall through to this tree's code
+    # and measure it as A.
+    if not (base / "service" / "helix_locks" / "cli.py").is_file():
+        raise BenchError(f"commit {commit} has no service/helix_locks/cli.py: the bench cannot serve it")
     base_db_url = other_database(url, f"{database_name(url)}_before", cleanup)
     env = {"PYTHONPATH": str(base / "service")}
     command = [sys.executable, "-m", "helix_locks.cli", "migrate"]
     migrating = {**os.environ, **env, "DATABASE_URL": base_db_url}
-    subprocess.run(command, env=migrating, check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run(command, env=migrating, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise BenchError(f"commit {commit}'s migrate failed:\n{done.stdout}{done.stderr}")
     migrate(url)
     with psycopg.connect(base_db_url) as conn:
         applied = [row[0] for row in conn.execute("SELECT name FROM helix_schema_migrations ORDER BY 1")]
         version = conn.execute("SHOW server_version").fetchone()
+    # A's own migrations, and no others: its code ran, not this tree's.
+    if applied != sorted(path.name for path in (base / "migrations").glob("[0-9]*.sql")):
+        raise BenchError(f"A's database does not have commit {commit}'s migrations: {applied}")
     if migration is not None and any(name.startswith(Path(migration).name[:4]) for name in applied):
         raise BenchError(f"A's database has {migration}")
     setup = [

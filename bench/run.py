@@ -137,9 +137,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--clients takes integers separated by commas, e.g. 1,8,32")
     if not args.levels or min(args.levels) < 1:
         parser.error("--clients takes positive integers")
-    args.duration = args.duration or (3 if args.quick else 10)
+    if args.history < 0 or args.live < 0:
+        parser.error("--history and --live must be >= 0")
+    args.duration = args.duration if args.duration is not None else (3 if args.quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
-    args.runs = args.runs or (1 if args.quick else 3)
+    args.runs = args.runs if args.runs is not None else (1 if args.quick else 3)
     if min(args.duration, args.workers, args.processes, args.runs) < 1 or args.warmup < 0:
         parser.error("--duration, --workers, --processes and --runs must be at least 1, --warmup at least 0")
     return args
@@ -240,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                             run,
                         )
                     )
-                for side, side_db in databases.items():
-                    measured = run_pgbench(side_db, clients, args.warmup, args.duration, workdir)
+                for side in databases if run % 2 == 0 else list(databases)[::-1]:
+                    measured = run_pgbench(databases[side], clients, args.warmup, args.duration, workdir)
                     runs[side][index].append(measured)
         log(f"hot key: {max(args.levels)} clients on one key, {timing} ...")
         hot = run_http(
