@@ -38,14 +38,26 @@ BUILDS = {
 }
 
 
-def applied(db_url: str) -> list[str]:
+def applied(db_url: str) -> list[tuple[str, str]]:
+    """The database's migrations, each with the checksum it was applied with."""
     with psycopg.connect(db_url) as conn:
-        return [str(name) for (name,) in conn.execute("SELECT name FROM helix_schema_migrations ORDER BY 1")]
+        rows = conn.execute("SELECT name, checksum FROM helix_schema_migrations ORDER BY 1").fetchall()
+    return [(str(name), str(checksum)) for name, checksum in rows]
+
+
+def files(migrations: Path) -> list[tuple[str, str]]:
+    """A build's migrations, each with its checksum."""
+    return [
+        (path.name, Migration(path.name, path.read_bytes()).checksum)
+        for path in sorted(migrations.glob("[0-9]*.sql"))
+    ]
 
 
 def migrate(env: dict[str, str | None]) -> None:
     environment = {key: value for key, value in {**os.environ, **env}.items() if value is not None}
-    done = subprocess.run(helix_command("migrate"), env=environment, cwd=ROOT, capture_output=True, text=True)
+    done = subprocess.run(
+        helix_command("migrate"), env=environment, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -67,6 +79,7 @@ class Workers:
     def __init__(self) -> None:
         self.answers: Counter[str] = Counter()
         self.told: list[Told] = []
+        self.released: list[int] = []
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
 
@@ -86,7 +99,10 @@ class Workers:
                 lock = got.json()
                 at = datetime.fromisoformat(lock["acquired_at"])
                 self.told.append(Told(lock["id"], HOT, lock["fencing_token"], at))
-                self.answers[f"{name} release {lock_call('DELETE', url, lock).status_code}"] += 1
+                released = lock_call("DELETE", url, lock).status_code
+                self.answers[f"{name} release {released}"] += 1
+                if released == 204:
+                    self.released.append(lock["id"])
             except httpx.TransportError as exc:  # counted, and the test fails on it
                 self.answers[f"{name} {type(exc).__name__}"] += 1
                 time.sleep(0.1)
@@ -125,9 +141,8 @@ def test_a_rolling_upgrade_keeps_live_locks_and_history_while_an_earlier_build_s
     env = ROUTE.env(empty_db_url)
     old_env = {**env, "PYTHONPATH": str(base / "service")}
     migrate(old_env)
-    before = applied(empty_db_url)
-    # The earlier build ran, not this one: it applied its own migrations.
-    assert before == sorted(p.name for p in (base / "migrations").glob("0*.sql")), (commit, before)
+    # The earlier build ran, not this one: it applied its own files, as its bytes are.
+    assert applied(empty_db_url) == files(base / "migrations"), commit
 
     workers = Workers()
     with ExitStack() as stack:
@@ -143,14 +158,17 @@ def test_a_rolling_upgrade_keeps_live_locks_and_history_while_an_earlier_build_s
 
         workers.start("old", old, 4)
         time.sleep(0.5)
+        answered = sum(workers.answers.values())
         migrate(env)  # this build, while the earlier one serves
-        assert applied(empty_db_url) == [m.name for m in load()]
+        # The earlier build answered while this one migrated, or the upgrade was not rolling.
+        assert sum(workers.answers.values()) > answered, workers.answers
+        assert [name for name, _ in applied(empty_db_url)] == [m.name for m in load()]
         new, _ = stack.enter_context(running_service(env=env, log=tmp_path / "new.log"))
         workers.start("new", new, 4)
         time.sleep(2)
         workers.join()
 
-        # What the previous build granted lives on in this one, and the other way round.
+        # What the earlier build granted lives on in this one, and the other way round.
         for lock in live:
             got = httpx.post(
                 f"{new}/v1/locks/{lock['id']}/renew",
@@ -175,4 +193,4 @@ def test_a_rolling_upgrade_keeps_live_locks_and_history_while_an_earlier_build_s
     }, answers
     # Both builds granted the hot key while the other served it.
     assert answers["old acquire 201"] > 0 and answers["new acquire 201"] > 0, answers
-    assert check(database_history(empty_db_url), workers.told, []) == []
+    assert check(database_history(empty_db_url), workers.told, [], workers.released) == []
