@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import secrets
 import subprocess
-import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -18,8 +17,9 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from bench import BenchError
-from harness.builds import previous_build
-from helix_locks.server.migrate import load, migrate, migrations_dir
+from harness.builds import previous_build, served_from
+from harness.processes import run_helix
+from helix_locks.server.migrate import load, migrate, migrations_dir, migrations_in
 
 
 @contextmanager
@@ -143,17 +143,16 @@ def before_and_after(
     except ValueError as exc:
         raise BenchError(f"no base to measure: {exc}") from None
     except subprocess.CalledProcessError as exc:  # git: no such commit, no history
-        said = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr)
-        raise BenchError(f"no base to measure: git says {said.strip()}") from None
+        raise BenchError(
+            f"no base to measure: git says {exc.stderr.decode(errors='replace').strip()}"
+        ) from None
     # Without the package where this tree has it, PYTHONPATH would fall through to this tree's code
     # and measure it as A.
     if not (base / "service" / "helix_locks" / "cli.py").is_file():
         raise BenchError(f"commit {commit} has no service/helix_locks/cli.py: the bench cannot serve it")
     base_db_url = other_database(url, f"{database_name(url)}_before", cleanup)
-    env = {"PYTHONPATH": str(base / "service")}
-    command = [sys.executable, "-m", "helix_locks.cli", "migrate"]
-    migrating = {**os.environ, **env, "DATABASE_URL": base_db_url}
-    done = subprocess.run(command, env=migrating, capture_output=True, text=True, check=False)
+    env = served_from(base)
+    done = run_helix("migrate", env={**env, "DATABASE_URL": base_db_url})
     if done.returncode != 0:
         raise BenchError(f"commit {commit}'s migrate failed:\n{done.stdout}{done.stderr}")
     migrate(url)
@@ -161,7 +160,7 @@ def before_and_after(
         applied = [row[0] for row in conn.execute("SELECT name FROM helix_schema_migrations ORDER BY 1")]
         version = conn.execute("SHOW server_version").fetchone()
     # A's own migrations, and no others: its code ran, not this tree's.
-    if applied != sorted(path.name for path in (base / "migrations").glob("[0-9]*.sql")):
+    if applied != [m.name for m in migrations_in(base / "migrations")]:
         raise BenchError(f"A's database does not have commit {commit}'s migrations: {applied}")
     if migration is not None and any(name.startswith(Path(migration).name[:4]) for name in applied):
         raise BenchError(f"A's database has {migration}")

@@ -12,6 +12,17 @@ from pathlib import Path
 from harness.processes import ROOT
 
 
+def git(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    """git ARGS in the repository, its output captured."""
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, check=check)
+
+
+def served_from(base: Path) -> dict[str, str]:
+    """What runs a build exported by previous_build() rather than this tree: its package ahead of
+    the editable install."""
+    return {"PYTHONPATH": str(base / "service")}
+
+
 def previous_build(workdir: Path, rev: str | None, migration: str | None) -> tuple[Path, str]:
     """The code before `migration` (service/ and migrations/ of `rev`, by default of the commit
     before the one that added it, or HEAD while it is uncommitted), exported into workdir/base with
@@ -19,21 +30,10 @@ def previous_build(workdir: Path, rev: str | None, migration: str | None) -> tup
     if rev is None:
         if migration is None:
             raise ValueError("the base needs a commit or a migration it lacks")
-        added = subprocess.run(
-            ["git", "-C", str(ROOT), "log", "-1", "--format=%H", "--diff-filter=A", "--", migration],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        added = git("log", "-1", "--format=%H", "--diff-filter=A", "--", migration).stdout.decode().strip()
         rev = f"{added}^" if added else "HEAD"
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", commit, "service", "migrations"],
-        capture_output=True,
-        check=True,
-    ).stdout
+    commit = git("rev-parse", "--short", rev).stdout.decode().strip()
+    archive = git("archive", "--format=tar", commit, "service", "migrations").stdout
     base = workdir / "base"
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(base, filter="data")

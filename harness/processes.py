@@ -38,6 +38,21 @@ def helix_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "helix_locks.cli", *args]
 
 
+def environment(env: Mapping[str, str | None]) -> dict[str, str]:
+    """`env` laid over this process's environment; a None value removes the variable."""
+    return {key: value for key, value in {**os.environ, **env}.items() if value is not None}
+
+
+def run_helix(
+    *args: str, env: Mapping[str, str | None], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`helix-locks ARGS` run to its end in the repository's root, with `env` (see environment()),
+    its output captured."""
+    return subprocess.run(
+        helix_command(*args), env=environment(env), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
 class NotReady(RuntimeError):
     """A service process exited, or was not ready in time."""
 
@@ -79,11 +94,10 @@ def running_service(
     `env` is laid over this process's environment; a None value removes the variable.
     """
     port = free_port()
-    environment = {key: value for key, value in {**os.environ, **env}.items() if value is not None}
     with log.open("wb") as out:
         process = subprocess.Popen(
             helix_command("serve", "--port", str(port), *args),
-            env=environment,
+            env=environment(env),
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=ROOT,

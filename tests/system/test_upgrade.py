@@ -9,8 +9,6 @@ BUILDS are landed builds, named by commit. When a migration lands, add the build
 
 from __future__ import annotations
 
-import os
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -23,10 +21,10 @@ import httpx
 import psycopg
 import pytest
 
-from harness.builds import previous_build
+from harness.builds import git, previous_build, served_from
 from harness.history import Told, check, database_history
-from harness.processes import ROOT, helix_command, running_service
-from helix_locks.server.migrate import EARLIER_CHECKSUMS, Migration, load
+from harness.processes import run_helix, running_service
+from helix_locks.server.migrate import EARLIER_CHECKSUMS, Migration, load, migrations_in
 from tests.support import ROUTE
 
 HOT = ("acme", "upgrade-hot")
@@ -45,19 +43,8 @@ def applied(db_url: str) -> list[tuple[str, str]]:
     return [(str(name), str(checksum)) for name, checksum in rows]
 
 
-def files(migrations: Path) -> list[tuple[str, str]]:
-    """A build's migrations, each with its checksum."""
-    return [
-        (path.name, Migration(path.name, path.read_bytes()).checksum)
-        for path in sorted(migrations.glob("[0-9]*.sql"))
-    ]
-
-
 def migrate(env: dict[str, str | None]) -> None:
-    environment = {key: value for key, value in {**os.environ, **env}.items() if value is not None}
-    done = subprocess.run(
-        helix_command("migrate"), env=environment, cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    done = run_helix("migrate", env=env, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -139,17 +126,11 @@ REFUSED = {
 }
 
 
-def git(*args: str) -> bytes:
-    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, check=True).stdout
-
-
 def versions(name: str) -> dict[str, bytes]:
     """Every version of a migration file in git's history, by checksum."""
     found = {}
-    for commit in git("log", "--format=%H", "--", f"migrations/{name}").decode().split():
-        with_it = subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{commit}:migrations/{name}"], capture_output=True, check=False
-        )
+    for commit in git("log", "--format=%H", "--", f"migrations/{name}").stdout.decode().split():
+        with_it = git("show", f"{commit}:migrations/{name}", check=False)
         if with_it.returncode == 0:  # the commit that removed or renamed it has none
             found[Migration(name, with_it.stdout).checksum] = with_it.stdout
     return found
@@ -186,10 +167,11 @@ def test_a_rolling_upgrade_keeps_live_locks_and_history_while_an_earlier_build_s
 ) -> None:
     base, commit = previous_build(tmp_path, build, None)
     env = ROUTE.env(empty_db_url)
-    old_env = {**env, "PYTHONPATH": str(base / "service")}
+    old_env = {**env, **served_from(base)}
     migrate(old_env)
     # The earlier build ran, not this one: it applied its own files, as its bytes are.
-    assert applied(empty_db_url) == files(base / "migrations"), commit
+    built = [(m.name, m.checksum) for m in migrations_in(base / "migrations")]
+    assert applied(empty_db_url) == built, commit
 
     workers = Workers()
     with ExitStack() as stack:

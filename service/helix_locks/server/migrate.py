@@ -43,11 +43,16 @@ def migrations_dir() -> Path:
     raise MigrationError(f"no migrations directory beside {here}")
 
 
+def migrations_in(directory: Path) -> tuple[Migration, ...]:
+    """The migrations of a directory (this build's, or an earlier build's exported), in order."""
+    files = sorted(p for p in directory.iterdir() if _NAME.match(p.name))
+    return tuple(Migration(p.name, p.read_bytes()) for p in files)
+
+
 @functools.cache
 def load() -> tuple[Migration, ...]:
     """This build's migrations in order (read once: /readyz asks on every probe)."""
-    files = sorted(p for p in migrations_dir().iterdir() if _NAME.match(p.name))
-    return tuple(Migration(p.name, p.read_bytes()) for p in files)
+    return migrations_in(migrations_dir())
 
 
 # Files whose bytes changed, in comments only, after a build of main had applied them: the
