@@ -17,10 +17,10 @@ from helix_locks.server import queries
 # The listings of one organization, as service/helix_locks/server/locks.py sends them, and the index
 # whose one range each must read in order, up to LIMIT.
 LISTINGS = {
-    queries.LIST_LIVE: "helix_job_locks_one_live",
-    queries.LIST_LIVE_OF_JOB_TYPE: "helix_job_locks_one_live",
-    queries.LIST_HISTORY: "helix_job_locks_history_by_organization",
-    queries.LIST_HISTORY_OF_JOB_TYPE: "helix_job_locks_history_by_job_type",
+    queries.LIST_LIVE: "helix_holds_pkey",
+    queries.LIST_LIVE_OF_JOB_TYPE: "helix_holds_pkey",
+    queries.LIST_HISTORY: "helix_lock_history_by_organization",
+    queries.LIST_HISTORY_OF_JOB_TYPE: "helix_lock_history_by_job_type",
 }
 
 # The types psycopg gives the parameters (a None is sent untyped; the statement casts it).

@@ -1,7 +1,8 @@
 """The current schema, checked in as migrations/schema.sql: `python -m tests.schema` rewrites it.
 
-Read from the catalog of a database the migration runner created, in a stable order (tables,
-each with its indexes and triggers; views; functions, each with who may call it; all by name),
+Read from the catalog of a database the migration runner created, in a stable order (sequences;
+tables, each with its indexes and triggers; views, each with its column defaults and triggers;
+functions, each with who may call it; all by name, each with what COMMENT ON says of it),
 through the server's own deparsing functions, never pg_dump, whose output varies with its version.
 The same text comes out of PostgreSQL 14 to 18 (the one difference, in views, is normalised; 13
 stores a view's EXTRACT as date_part(), so its views differ, and tests/sql/test_migrate.py says so);
@@ -35,8 +36,20 @@ HEADER = """\
 """
 
 _TABLES = """
-SELECT c.oid, pg_catalog.quote_ident(c.relname) FROM pg_catalog.pg_class AS c
+SELECT c.oid, pg_catalog.quote_ident(c.relname), c.reloptions FROM pg_catalog.pg_class AS c
 WHERE c.relnamespace = %(ns)s AND c.relkind = 'r' ORDER BY c.relname
+"""
+# Sequences other than those of identity columns.
+_SEQUENCES = """
+SELECT 'CREATE SEQUENCE ' || pg_catalog.quote_ident(c.relname) || ' AS '
+       || pg_catalog.format_type(s.seqtypid, NULL) || ';'
+       || coalesce(E'\n' || 'COMMENT ON SEQUENCE ' || pg_catalog.quote_ident(c.relname) || ' IS '
+                   || pg_catalog.quote_literal(pg_catalog.obj_description(c.oid, 'pg_class')) || ';', '')
+FROM pg_catalog.pg_class AS c JOIN pg_catalog.pg_sequence AS s ON s.seqrelid = c.oid
+WHERE c.relnamespace = %(ns)s AND c.relkind = 'S'
+  AND NOT EXISTS (SELECT FROM pg_catalog.pg_depend AS d
+                  WHERE d.classid = 'pg_catalog.pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'i')
+ORDER BY c.relname
 """
 _COLUMNS = """
 SELECT pg_catalog.quote_ident(a.attname), pg_catalog.format_type(a.atttypid, a.atttypmod),
@@ -73,9 +86,9 @@ SELECT pg_catalog.pg_get_triggerdef(g.oid, true) || ';'
 FROM pg_catalog.pg_trigger AS g
 WHERE g.tgrelid = %(table)s AND NOT g.tgisinternal ORDER BY g.tgname
 """
-# What COMMENT ON says of the table, then of its columns in their order.
+# What COMMENT ON says of the table (or view), then of its columns in their order.
 _TABLE_COMMENTS = """
-SELECT 'COMMENT ON ' || CASE WHEN d.objsubid = 0 THEN 'TABLE ' || %(name)s
+SELECT 'COMMENT ON ' || CASE WHEN d.objsubid = 0 THEN %(kind)s || ' ' || %(name)s
                              ELSE 'COLUMN ' || %(name)s || '.' || pg_catalog.quote_ident(a.attname) END
        || ' IS ' || pg_catalog.quote_literal(d.description) || ';'
 FROM pg_catalog.pg_description AS d
@@ -84,9 +97,18 @@ WHERE d.classoid = 'pg_catalog.pg_class'::regclass AND d.objoid = %(table)s
 ORDER BY d.objsubid
 """
 _VIEWS = """
-SELECT 'CREATE VIEW ' || pg_catalog.quote_ident(c.relname) || ' AS' || E'\n'
+SELECT c.oid, pg_catalog.quote_ident(c.relname),
+       'CREATE VIEW ' || pg_catalog.quote_ident(c.relname) || ' AS' || E'\n'
        || pg_catalog.rtrim(pg_catalog.pg_get_viewdef(c.oid, true), ';') || ';'
 FROM pg_catalog.pg_class AS c WHERE c.relnamespace = %(ns)s AND c.relkind = 'v' ORDER BY c.relname
+"""
+# A view's column defaults (what an INSERT through it leaves out).
+_VIEW_DEFAULTS = """
+SELECT 'ALTER VIEW ' || %(name)s || ' ALTER COLUMN ' || pg_catalog.quote_ident(a.attname)
+       || ' SET DEFAULT ' || pg_catalog.pg_get_expr(d.adbin, d.adrelid) || ';'
+FROM pg_catalog.pg_attrdef AS d
+JOIN pg_catalog.pg_attribute AS a ON a.attrelid = d.adrelid AND a.attnum = d.adnum
+WHERE d.adrelid = %(table)s ORDER BY a.attnum
 """
 # Each function, who may call it (PUBLIC, unless revoked: migration 0009), and what COMMENT ON
 # says of it.
@@ -101,14 +123,12 @@ FROM pg_catalog.pg_proc AS p
 WHERE p.pronamespace = %(ns)s
 ORDER BY p.proname, pg_catalog.pg_get_function_identity_arguments(p.oid) COLLATE "C"
 """
-# What the queries above leave out: relations other than tables, their indexes, views and the
-# sequences of identity columns; types other than relations' row types and their arrays; comments
-# on anything but tables, their columns, functions and triggers.
+# What the queries above leave out: relations other than tables, their indexes, views and
+# sequences; types other than relations' row types and their arrays; comments on anything but
+# tables, views, sequences, their columns, functions and triggers.
 _UNRENDERED = """
 SELECT 'relation ' || c.relname || ' (relkind ' || c.relkind::text || ')' FROM pg_catalog.pg_class AS c
-WHERE c.relnamespace = %(ns)s AND c.relkind NOT IN ('r', 'i', 'v')
-  AND NOT (c.relkind = 'S' AND EXISTS (SELECT FROM pg_catalog.pg_depend AS d
-           WHERE d.classid = 'pg_catalog.pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'i'))
+WHERE c.relnamespace = %(ns)s AND c.relkind NOT IN ('r', 'i', 'v', 'S')
 UNION ALL
 SELECT 'type ' || t.typname FROM pg_catalog.pg_type AS t
 WHERE t.typnamespace = %(ns)s AND t.typrelid = 0
@@ -118,12 +138,13 @@ SELECT 'the comment on ' || pg_catalog.pg_describe_object(d.classoid, d.objoid, 
 FROM pg_catalog.pg_description AS d
 WHERE d.classoid NOT IN ('pg_catalog.pg_proc'::regclass, 'pg_catalog.pg_trigger'::regclass)
   AND NOT (d.classoid = 'pg_catalog.pg_class'::regclass
-           AND EXISTS (SELECT FROM pg_catalog.pg_class AS c WHERE c.oid = d.objoid AND c.relkind = 'r'))
+           AND EXISTS (SELECT FROM pg_catalog.pg_class AS c
+                       WHERE c.oid = d.objoid AND c.relkind IN ('r', 'v', 'S')))
   AND (pg_catalog.pg_identify_object(d.classoid, d.objoid, d.objsubid)).schema = %(schema)s
 """
 
 
-def _table(conn: psycopg.Connection[Any], oid: int, name: str) -> str:
+def _table(conn: psycopg.Connection[Any], oid: int, name: str, options: list[str] | None) -> str:
     lines = []
     for column, type_, collation, identity, generated, default, not_null in conn.execute(
         _COLUMNS, {"table": oid}
@@ -140,15 +161,24 @@ def _table(conn: psycopg.Connection[Any], oid: int, name: str) -> str:
         lines.append(line + (" NOT NULL" if not_null else ""))
     for constraint, definition in conn.execute(_CONSTRAINTS, {"table": oid}):
         lines.append(f"    CONSTRAINT {constraint} {definition}")
-    create = f"CREATE TABLE {name} (\n" + ",\n".join(lines) + "\n);"
-    more = [row[0] for row in conn.execute(_TABLE_COMMENTS, {"table": oid, "name": name})]
+    create = f"CREATE TABLE {name} (\n" + ",\n".join(lines) + "\n)"
+    create += f" WITH ({', '.join(options)});" if options else ";"
+    more = [row[0] for row in conn.execute(_TABLE_COMMENTS, {"table": oid, "name": name, "kind": "TABLE"})]
     more += [row[0] for query in (_INDEXES, _TRIGGERS) for row in conn.execute(query, {"table": oid})]
     return "\n".join([create, *more])
 
 
+def _view(conn: psycopg.Connection[Any], oid: int, name: str, definition: str) -> str:
+    parts = [_unqualified(part) for part in definition.split("\n UNION ALL\n")]
+    more = [row[0] for row in conn.execute(_TABLE_COMMENTS, {"table": oid, "name": name, "kind": "VIEW"})]
+    more += [row[0] for query in (_VIEW_DEFAULTS, _TRIGGERS) for row in conn.execute(query, {"table": oid, "name": name})]
+    return "\n".join(["\n UNION ALL\n".join(parts), *more])
+
+
 def _unqualified(view: str) -> str:
-    """A view that reads one table, as PostgreSQL 16 and later print it: its columns without the
-    table's alias (up to 15 a view's rule held two more range table entries, so they had it)."""
+    """A SELECT that reads one table (a view, or one branch of a view's UNION ALL), as PostgreSQL
+    16 and later print it: its columns without the table's alias (up to 15 a view's rule held two
+    more range table entries, so they had it)."""
     froms = re.findall(r"^ +FROM \S+ (\w+);?$", view, flags=re.MULTILINE)
     if len(froms) != 1 or view.count("SELECT") != 1 or "JOIN" in view:
         return view
@@ -171,8 +201,9 @@ def document(conninfo: str) -> str:
         conn.execute("SELECT pg_catalog.set_config('search_path', quote_ident(%s), false)", (schema,))
         applied = [name for (name,) in conn.execute("SELECT name FROM helix_schema_migrations ORDER BY name")]
         sections = [HEADER.format(first=applied[0], last=applied[-1])]
-        sections += [_table(conn, oid, name) for oid, name in conn.execute(_TABLES, {"ns": ns}).fetchall()]
-        sections += [_unqualified(view) for (view,) in conn.execute(_VIEWS, {"ns": ns})]
+        sections += [row[0] for row in conn.execute(_SEQUENCES, {"ns": ns})]
+        sections += [_table(conn, *row) for row in conn.execute(_TABLES, {"ns": ns}).fetchall()]
+        sections += [_view(conn, *row) for row in conn.execute(_VIEWS, {"ns": ns}).fetchall()]
         sections += [function for (function,) in conn.execute(_FUNCTIONS, {"ns": ns})]
     text = "\n\n".join(section.strip("\n") for section in sections) + "\n"
     return "\n".join(line.rstrip() for line in text.split("\n"))

@@ -1,7 +1,10 @@
 """Every SQL statement the service sends, as constants with named parameters.
 
-Schema and functions live in migrations/; these statements only call them or read the
-helix_job_lock_views view, whose state and ttl_remaining_ms come from the database clock.
+Schema and functions live in migrations/; these statements only call them or read the tables
+and views: helix_holds (live locks) and helix_lock_history (ended ones), and the views over them
+(helix_held_locks, helix_ended_locks, helix_job_lock_views, whose state and ttl_remaining_ms come
+from the database clock; helix_job_locks, every column of both). Migration 0023 says why two
+tables.
 Columns are named, never `*`: statements are prepared, and a prepared `SELECT *` fails once a
 later migration adds a column ("cached plan must not change result type").
 """
@@ -84,7 +87,7 @@ UPDATE = "SELECT " + LOCK + " FROM helix_update_job_lock(%(lock_id)s, %(token)s,
 GET = (
     "SELECT "
     + LOCK
-    + """, (SELECT k.forced_by FROM helix_job_locks AS k WHERE k.id = %(lock_id)s) AS forced_by
+    + """, (SELECT k.forced_by FROM helix_lock_history AS k WHERE k.id = %(lock_id)s) AS forced_by
 FROM helix_job_lock_views
 WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope)s)
 """
@@ -99,38 +102,35 @@ STOP_WAITING = "SELECT helix_stop_waiting(%(id)s) AS id"
 # Of the keys this process waits for, each with the lock its first waiter sleeps on (NULL: none)
 # and how many held the key's slots then, those whose live lock is not that one (released,
 # replaced or unknown), or, of a semaphore, that has fewer unreleased locks than that (another
-# slot ended). One statement for every key, each looked up on the live-lock index (or the index's
-# live rows hashed once): never the history's rows.
+# slot ended). One statement for every key, each looked up on the live locks' primary key: never
+# the history's rows.
 MISSED_RELEASES = """
 SELECT k.organization_id, k.job_type
 FROM unnest(
     %(organization_ids)s::text[], %(job_types)s::text[], %(lock_ids)s::bigint[], %(holders)s::integer[]
 ) AS k (organization_id, job_type, lock_id, holders)
 WHERE NOT EXISTS (
-    SELECT FROM helix_job_locks AS l
-    WHERE l.organization_id = k.organization_id
-      AND l.job_type = k.job_type
-      AND l.released_at IS NULL
-      AND l.id = k.lock_id
+    SELECT FROM helix_holds AS h
+    WHERE h.organization_id = k.organization_id
+      AND h.job_type = k.job_type
+      AND h.id = k.lock_id
 ) OR k.holders > 1 AND k.holders > (
-    SELECT count(*) FROM helix_job_locks AS l
-    WHERE l.organization_id = k.organization_id
-      AND l.job_type = k.job_type
-      AND l.released_at IS NULL
+    SELECT count(*) FROM helix_holds AS h
+    WHERE h.organization_id = k.organization_id
+      AND h.job_type = k.job_type
 )
 """
 
 # How long until a held lock's lease runs out, by the database clock (a waiter's timer).
-REMAINING = "SELECT ttl_remaining_ms FROM helix_job_lock_views WHERE id = %(lock_id)s AND released_at IS NULL"
+REMAINING = "SELECT ttl_remaining_ms FROM helix_held_locks WHERE id = %(lock_id)s"
 
 # The held lock with the highest fencing token, or (slot) the held lock in that slot.
 CURRENT = (
     "SELECT "
     + LOCK
-    + """ FROM helix_job_lock_views
+    + """ FROM helix_held_locks
 WHERE organization_id = %(organization_id)s
   AND job_type = %(job_type)s
-  AND released_at IS NULL
   AND state = 'held'
   AND (%(slot)s::integer IS NULL OR slot = %(slot)s)
 ORDER BY fencing_token DESC
@@ -176,18 +176,19 @@ SELECT count(*) >= %(max_holders)s
        OR coalesce(bool_or(max_holders <> %(max_holders)s
                            OR idempotency_key = %(idempotency_key)s AND holder = %(holder)s
                               AND expires_at > clock_timestamp()), false) AS adds_none
-FROM helix_job_locks
-WHERE organization_id = %(organization_id)s AND job_type = %(job_type)s AND released_at IS NULL
+FROM helix_holds
+WHERE organization_id = %(organization_id)s AND job_type = %(job_type)s
 """
 
-# Listings read helix_job_locks itself, not helix_job_lock_views: the view's columns call
+# Listings read the tables, helix_holds and helix_lock_history, not the views: the views' columns call
 # clock_timestamp(), so PostgreSQL never merges the view into a query, and an ORDER BY over it
 # sorts every row that matches rather than reading an index in order up to LIMIT. The columns are
 # the view's (migration 0003) for the rows each listing lists. One statement per kind of listing
 # (locks.py picks it), and none tests `%(x)s IS NULL OR` on the organization or job
 # type: a generic plan (a prepared statement after a few executions) cannot bound an index scan
 # by such a test, and would read every organization's rows. An organization's listing is one
-# range of an index that starts with organization_id (for history, migration 0011's) and stops
+# range of an index that starts with organization_id (the live locks' primary key, the history's
+# by_organization or by_job_type index) and stops
 # at LIMIT; an admin's across organizations reads the global index in order and filters (admins
 # are trusted).
 
@@ -196,16 +197,15 @@ WHERE organization_id = %(organization_id)s AND job_type = %(job_type)s AND rele
 # The state is computed once per row (LATERAL), so a row kept by a state filter says that state.
 _LIVE = """
 SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquired_at, l.expires_at,
-       l.released_at, l.release_reason, s.state,
+       NULL::timestamptz AS released_at, NULL::text AS release_reason, s.state,
        greatest(0, floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000))::bigint
            AS ttl_remaining_ms,
        l.metadata, l.max_holders, l.slot
-FROM helix_job_locks AS l
+FROM helix_holds AS l
 CROSS JOIN LATERAL (
     SELECT CASE WHEN l.expires_at <= clock_timestamp() THEN 'expired' ELSE 'held' END AS state
 ) AS s
-WHERE l.released_at IS NULL
-  AND (%(state)s::text IS NULL OR s.state = %(state)s)
+WHERE (%(state)s::text IS NULL OR s.state = %(state)s)
   AND (%(after_organization_id)s::text IS NULL
        OR (l.organization_id, l.job_type, l.slot)
           > (%(after_organization_id)s, %(after_job_type)s, %(after_slot)s::integer))
@@ -245,9 +245,8 @@ SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquire
        l.released_at, l.release_reason,
        CASE WHEN l.release_reason = 'reclaimed' THEN 'reclaimed' ELSE 'released' END AS state,
        0::bigint AS ttl_remaining_ms, l.metadata, l.max_holders, l.slot, l.forced_by
-FROM helix_job_locks AS l
-WHERE l.released_at IS NOT NULL
-  AND (l.release_reason IS DISTINCT FROM 'reclaimed') = (%(state)s::text = 'released')
+FROM helix_lock_history AS l
+WHERE (l.release_reason IS DISTINCT FROM 'reclaimed') = (%(state)s::text = 'released')
   AND (l.released_at, l.id) < (coalesce(%(after_released_at)s::timestamptz, 'infinity'),
                                coalesce(%(after_id)s::bigint, 9223372036854775807))
 """
@@ -298,11 +297,11 @@ PROBE = "SELECT pg_notify('helix_listener_probe', %(payload)s) AS sent"
 # History retention (retention.py): one batch of ended rows older than the window.
 PRUNE = "SELECT helix_prune_history(%(older_than)s, %(batch)s) AS deleted"
 
-# The held/expired gauges (telemetry.py): a scan of the live rows' partial index only.
+# The held/expired gauges (telemetry.py): a scan of the live locks alone.
 COUNT_LIVE = (
     "SELECT count(*) FILTER (WHERE expires_at > clock_timestamp()) AS held,"
     " count(*) FILTER (WHERE expires_at <= clock_timestamp()) AS expired"
-    " FROM helix_job_locks WHERE released_at IS NULL"
+    " FROM helix_holds"
 )
 
 # Migration bookkeeping (migrate.py).
@@ -342,7 +341,8 @@ EVENTS_START = "SELECT pg_current_snapshot()::text AS snapshot, clock_timestamp(
 # The key that signs event ids (migration 0019).
 EVENT_ID_KEY = "SELECT key FROM helix_event_id_key"
 
-# The expiries due, announced by this reader's transaction (0019): at most this many at once.
+# The expiries due, announced by this reader's transaction (0019): at most this many at once, by
+# one reader at a time, at most once a second (0023).
 ANNOUNCE_EXPIRIES = "SELECT helix_announce_expiries(%(limit)s) AS announced"
 
 # What an event sends of its lock: the lock as it is now, and what only the row says.
@@ -354,15 +354,13 @@ _EVENT_LOCK = """v.id, v.organization_id, v.job_type, v.holder, v.fencing_token,
 # The reader's poll: its own window from the snapshot it read last to this statement's, and a
 # window for each resumed watcher from where its catch-up ended (its bridge); one statement, so
 # one snapshot closes them all, and a start with no events still gives a row (n, nulls). Each
-# start reads at most its limit (plus one, which tells that the limit was passed). due: an expiry
-# waits for its announcement (helix_announce_expiries), read on the index of those alone.
+# start reads at most its limit (plus one, which tells that the limit was passed). due: a sweep
+# for expiries to announce (helix_announce_expiries) may run, a second after the last one.
 EVENTS = (
     """
 WITH now AS (
     SELECT pg_current_snapshot() AS snapshot, clock_timestamp() AS until_at,
-           coalesce((SELECT min(d.expires_at) FROM helix_job_locks AS d
-                     WHERE d.released_at IS NULL AND d.expired_xid IS NULL) <= clock_timestamp(),
-                    false) AS due
+           helix_expiries_due() AS due
 ),
 starts AS (
     SELECT * FROM unnest(
