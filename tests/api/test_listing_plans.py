@@ -1,6 +1,7 @@
 """Listings read one range of an index within the caller's organization and stop at LIMIT,
 however much history other organizations hold (issue 16, item 5): their plans, custom and
-generic, beside 200,000 ended locks of another organization; and their answers, the view's."""
+generic, beside 200,000 ended locks of another organization and 200,000 ended and 20,000 live
+ones of a third; and their answers, the view's."""
 
 from __future__ import annotations
 
@@ -23,14 +24,16 @@ from tests.support import ROUTE, in_process
 pytestmark = pytest.mark.anyio
 
 BIG, SMALL = "big", "small"  # 200,000 ended locks and 100 live ones; 36 ended and 6 live
+BUSY = "busy"  # 20,000 live locks and 200,000 ended ones
 
 SEED = [
     # BIG: 100 job types; per 10 grants 1 reclaimed, 1 released by force, 8 released; one every
     # 400 ms over the last day, so that SMALL's history sits in the middle of BIG's.
     """
-    INSERT INTO helix_job_locks (organization_id, job_type, holder, token, fencing_token,
-                                 acquired_at, expires_at, released_at, release_reason, forced_by)
-    SELECT 'big', 'job-' || n % 100, 'w', md5(n::text), n / 100 + 1, t, t + interval '30 s',
+    INSERT INTO helix_lock_history (id, organization_id, job_type, slot, max_holders, holder, token,
+                                    fencing_token, acquired_at, expires_at, released_at,
+                                    release_reason, forced_by)
+    SELECT nextval('helix_lock_ids'), 'big', 'job-' || n % 100, 0, 1, 'w', md5(n::text), n / 100 + 1, t, t + interval '30 s',
            t + interval '1 s', reason, CASE WHEN reason = 'forced' THEN 'admin-key' END
     FROM generate_series(1, 200000) AS n,
          LATERAL (SELECT now() - interval '1 day' + n * interval '400 ms' AS t,
@@ -38,29 +41,47 @@ SEED = [
                               ELSE 'released' END AS reason) AS r
     """,
     """
-    INSERT INTO helix_job_locks (organization_id, job_type, holder, token, fencing_token,
-                                 acquired_at, expires_at)
+    INSERT INTO helix_holds (organization_id, job_type, holder, token, fencing_token, acquired_at,
+                             expires_at)
     SELECT 'big', 'live-' || n, 'w', md5(n::text), 1, now(), now() + interval '1 hour'
     FROM generate_series(1, 100) AS n
     """,
     # SMALL: job-1 to job-3, each with 4 reclaimed, 4 released and 4 released by force.
     """
-    INSERT INTO helix_job_locks (organization_id, job_type, holder, token, fencing_token,
-                                 acquired_at, expires_at, released_at, release_reason)
-    SELECT 'small', 'job-' || j, 'w', md5(j || '-' || k), k, t, t + interval '30 s',
+    INSERT INTO helix_lock_history (id, organization_id, job_type, slot, max_holders, holder, token,
+                                    fencing_token, acquired_at, expires_at, released_at,
+                                    release_reason)
+    SELECT nextval('helix_lock_ids'), 'small', 'job-' || j, 0, 1, 'w', md5(j || '-' || k), k, t, t + interval '30 s',
            t + interval '1 s', (ARRAY['reclaimed', 'released', 'forced'])[k % 3 + 1]
     FROM generate_series(1, 3) AS j, generate_series(1, 12) AS k,
          LATERAL (SELECT now() - interval '12 hours' + (j * 12 + k) * interval '1 min' AS t) AS r
     """,
     # SMALL's live locks: job-1, -3 and -5 held, job-2, -4 and -6 expired.
     """
-    INSERT INTO helix_job_locks (organization_id, job_type, holder, token, fencing_token,
-                                 acquired_at, expires_at)
+    INSERT INTO helix_holds (organization_id, job_type, holder, token, fencing_token, acquired_at,
+                             expires_at)
     SELECT 'small', 'job-' || j, 'w', md5(j::text), 13,
            now() - interval '2 hours', now() + CASE WHEN j % 2 = 1 THEN 1 ELSE -1 END * interval '1 hour'
     FROM generate_series(1, 6) AS j
     """,
-    "ANALYZE helix_job_locks",
+    # BUSY: 20,000 live locks and 200,000 ended ones, so that each listing is judged beside
+    # another organization's rows as many as its own.
+    """
+    INSERT INTO helix_lock_history (id, organization_id, job_type, slot, max_holders, holder, token,
+                                    fencing_token, acquired_at, expires_at, released_at,
+                                    release_reason)
+    SELECT nextval('helix_lock_ids'), 'busy', 'job-' || n % 100, 0, 1, 'w', md5(n::text), n / 100 + 1,
+           t, t + interval '30 s', t + interval '1 s', 'released'
+    FROM generate_series(1, 200000) AS n,
+         LATERAL (SELECT now() - interval '1 day' + n * interval '400 ms' + interval '200 ms' AS t) AS r
+    """,
+    """
+    INSERT INTO helix_holds (organization_id, job_type, holder, token, fencing_token, acquired_at,
+                             expires_at)
+    SELECT 'busy', 'job-' || n, 'w', md5(n::text), 1, now(), now() + interval '1 hour'
+    FROM generate_series(1, 20000) AS n
+    """,
+    "ANALYZE helix_holds, helix_lock_history",
 ]
 
 ACROSS_ORGANIZATIONS = {queries.LIST_LIVE_ALL_ORGANIZATIONS, queries.LIST_HISTORY_ALL_ORGANIZATIONS}

@@ -82,12 +82,12 @@ def test_a_prune_with_nothing_to_delete_reads_almost_nothing(conn: Conn) -> None
         "  now() - interval '23 hours', now() - interval '23 hours', 'released'"
         " FROM generate_series(1, 20000) AS n"
     )
-    conn.execute("ANALYZE helix_job_locks")
+    conn.execute("ANALYZE helix_lock_history")
     with conn.transaction():
         deleted = conn.execute("SELECT helix_prune_history(interval '7 days', 1000)").fetchone()
         read = conn.execute(
             "SELECT seq_tup_read + coalesce(idx_tup_fetch, 0) FROM pg_stat_xact_user_tables"
-            " WHERE relname = 'helix_job_locks'"
+            " WHERE relname = 'helix_lock_history'"
         ).fetchone()
     assert deleted == (0,)
     assert read is not None

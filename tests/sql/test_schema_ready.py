@@ -18,8 +18,11 @@ from __future__ import annotations
 from tests.support import Conn
 
 UNIQUE_EXCEPTIONS = {
-    "helix_job_locks_pkey": "lock ids are global today: (id) alone; GET /v1/locks/{id} names no"
+    "helix_holds_id": "lock ids are global today: (id) alone; GET /v1/locks/{id} names no"
     " organization (docs/scaling.md, 'Lock ids')",
+    "helix_lock_history_pkey": "lock ids are global today, live (helix_holds_id) or ended",
+    "helix_expiry_sweep_pkey": "one row, when the event readers last swept for due expiries, for the"
+    " whole deployment: on Citus each node's readers sweep their node (docs/scaling.md, 'Events')",
     "helix_lock_waiters_pkey": "a waiter's registration is deleted by its id alone (helix_stop_waiting);"
     " cheap to make (id, organization_id) (docs/scaling.md)",
     "helix_api_keys_pkey": "API keys stay a plain table on the coordinator, never distributed: key ids"
@@ -42,12 +45,16 @@ FUNCTION_EXCEPTIONS = {
     " Citus it runs shard by shard (docs/scaling.md, 'Retention')",
     "helix_stop_waiting(bigint)": "deletes a waiter's registration by its id alone; cheap to add the"
     " organization (docs/scaling.md)",
-    "helix_lock_changed()": "a row trigger on helix_job_locks: its argument is the row (NEW), which carries"
+    "helix_hold_changed()": "a row trigger on helix_holds: its argument is the row (NEW), which carries"
     " organization_id, and it runs where the row is",
-    "helix_lock_released()": "a row trigger on helix_job_locks: reads helix_lock_waiters of NEW's own"
-    " organization and job type, a colocated shard",
-    "helix_metadata_bounded()": "a row trigger on helix_job_locks: its argument is the row (NEW), and it"
+    "helix_lock_released()": "a row trigger on helix_lock_history and helix_holds: reads"
+    " helix_lock_waiters of NEW's own organization and job type, a colocated shard",
+    "helix_metadata_bounded()": "a row trigger on helix_holds: its argument is the row (NEW), and it"
     " runs where the row is",
+    "helix_job_locks_written()": "the trigger that takes writes through the view helix_job_locks: its"
+    " argument is the row (NEW, OLD), which carries organization_id",
+    "helix_end_holds(bigint[],timestamp with time zone,text,text)": "ends holds by their ids, which its"
+    " caller found by the organization (or, for an admin's force, by the id alone: see above)",
     "helix_announce_expiries(integer)": "the event reader's sweep of every organization's due expiries,"
     " as retention's; on Citus each node's reader runs it on its node (docs/scaling.md, 'Events')",
 }
@@ -87,7 +94,10 @@ ORDER BY 1
 
 # Functions that act on locks: their body names a lock table or the view, they take a lock row, or
 # they are a trigger's on a lock table.
-_LOCK_TABLES = "helix_(job_locks|job_lock_views|lock_keys|lock_waiters|quota_shares)"
+_LOCK_TABLES = (
+    "helix_(job_locks|job_lock_views|holds|lock_history|held_locks|ended_locks|lock_keys|lock_waiters"
+    "|quota_shares)"
+)
 _FUNCTIONS = f"""
 SELECT p.oid::pg_catalog.regprocedure::text AS signature,
        p.pronargs, p.proargnames, p.proargmodes::text[] AS proargmodes,
@@ -107,7 +117,7 @@ WHERE p.pronamespace = {_SCHEMA} AND p.proname LIKE 'helix\\_%'
        OR EXISTS (
            SELECT FROM unnest(p.proargtypes) AS a (type)
            JOIN pg_catalog.pg_type AS y ON y.oid = a.type
-           WHERE y.typrelid = 'helix_job_locks'::regclass
+           WHERE y.typrelid IN ('helix_holds'::regclass, 'helix_lock_history'::regclass)
        ))
 ORDER BY 1
 """
@@ -158,10 +168,8 @@ def test_lock_functions_take_the_organization(conn: Conn) -> None:
 def test_the_checks_see_what_breaks_the_property(conn: Conn) -> None:
     """In this test's own database: a unique index, a foreign key and a lock function without the
     organization are each reported; with it, none is."""
-    conn.execute("CREATE UNIQUE INDEX helix_job_locks_by_token ON helix_job_locks (token)")
-    conn.execute(
-        "CREATE UNIQUE INDEX helix_job_locks_by_org_token ON helix_job_locks (organization_id, token)"
-    )
+    conn.execute("CREATE UNIQUE INDEX helix_holds_by_token ON helix_holds (token)")
+    conn.execute("CREATE UNIQUE INDEX helix_holds_by_org_token ON helix_holds (organization_id, token)")
     # An expression of organization_id is not organization_id: a shard key must be the column itself.
     conn.execute(
         "CREATE UNIQUE INDEX helix_lock_keys_by_lower ON helix_lock_keys (lower(organization_id), job_type)"
@@ -171,7 +179,7 @@ def test_the_checks_see_what_breaks_the_property(conn: Conn) -> None:
             organization_id text NOT NULL,
             job_type text NOT NULL,
             lock_id bigint NOT NULL,
-            CONSTRAINT helix_lock_notes_lock FOREIGN KEY (lock_id) REFERENCES helix_job_locks (id),
+            CONSTRAINT helix_lock_notes_lock FOREIGN KEY (lock_id) REFERENCES helix_lock_history (id),
             CONSTRAINT helix_lock_notes_key FOREIGN KEY (organization_id, job_type)
                 REFERENCES helix_lock_keys (organization_id, job_type)
         )
@@ -189,9 +197,9 @@ def test_the_checks_see_what_breaks_the_property(conn: Conn) -> None:
     """)
 
     unique = unique_without_organization(conn)
-    added = {"helix_job_locks_by_token", "helix_lock_keys_by_lower"}
+    added = {"helix_holds_by_token", "helix_lock_keys_by_lower"}
     assert unique.keys() - UNIQUE_EXCEPTIONS.keys() == added
-    assert unique["helix_job_locks_by_token"] == "helix_job_locks"
+    assert unique["helix_holds_by_token"] == "helix_holds"
     assert foreign_keys_across_organizations(conn) == {"helix_lock_notes_lock": "helix_lock_notes"}
     functions = set(functions_without_organization(conn)) - FUNCTION_EXCEPTIONS.keys()
     assert functions == {"helix_peek_job_lock(bigint)"}

@@ -769,7 +769,7 @@ def test_a_row_stored_over_the_bound_before_it_still_renews_ends_and_is_reclaime
     """Migration 0021 bounds only what is being written. A row stored before it, over the
     bound, is renewed, updated, released, forced and reclaimed as any other (a CHECK constraint,
     tested on every UPDATE of the row, would refuse each of these, and leave its key stuck)."""
-    conn.execute("ALTER TABLE helix_job_locks DISABLE TRIGGER helix_metadata_bounded")
+    conn.execute("ALTER TABLE helix_holds DISABLE TRIGGER helix_metadata_bounded")
     before = conn.cursor(row_factory=dict_row)
 
     def legacy(job_type: str) -> dict[str, Any]:
@@ -787,7 +787,7 @@ def test_a_row_stored_over_the_bound_before_it_still_renews_ends_and_is_reclaime
         return found
 
     renewed, forced, reclaimed = legacy("renewed"), legacy("forced"), legacy("reclaimed")
-    conn.execute("ALTER TABLE helix_job_locks ENABLE TRIGGER helix_metadata_bounded")
+    conn.execute("ALTER TABLE helix_holds ENABLE TRIGGER helix_metadata_bounded")
 
     assert len(renew(conn, renewed["id"], renewed["token"], 60_000)["metadata"]["a"]) == 1160
     assert release(conn, renewed["id"], renewed["token"])["state"] == "released"
