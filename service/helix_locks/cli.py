@@ -86,6 +86,12 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
+def _interrupted(signum: int, frame: FrameType | None) -> None:
+    # `run` stopped before its command started (waiting for the lock, say): 128+N, as a shell
+    # reports a command a signal ended, never 0, which would say the command ran and succeeded.
+    raise SystemExit(128 + signum)
+
+
 def _client(args: argparse.Namespace) -> LockClient:
     """The command's client; a URL that cannot be the service's is a usage error (status 2)."""
     try:
@@ -399,8 +405,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    handler = _interrupted if args.command == "run" else _stop
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
     code: int = args.handler(args)
     return code
 

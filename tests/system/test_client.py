@@ -65,6 +65,19 @@ def helix_run(url: str, *args: str, stderr: int | None = None) -> subprocess.Pop
     return subprocess.Popen(command, env=env, cwd=ROOT, text=True, stderr=stderr)
 
 
+def handles_sigterm(process: subprocess.Popen[str], timeout: float = 30) -> None:
+    """Wait until the process catches SIGTERM (its handler installed, /proc's SigCgt): a signal
+    sent before that ends the interpreter before any of helix-locks runs."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        caught = int(next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1], 16)
+        if caught & (1 << (signal.SIGTERM - 1)):
+            return
+        time.sleep(0.05)
+    raise AssertionError("the process never caught SIGTERM")
+
+
 def test_run_passes_the_exit_status_through_and_releases(db_url: str, tmp_path: Path) -> None:
     with (
         running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
@@ -244,7 +257,8 @@ def test_run_interrupted_while_waiting_for_the_lock_exits_128_plus_the_signal(
             process = helix_run(
                 url, "--org", "acme", "--job-type", "busy", "--wait", "20", "--", "touch", str(marker)
             )
-            time.sleep(1)
+            handles_sigterm(process)
+            time.sleep(1)  # waiting for the lock by now, or about to: 128+N either way
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=10) == 128 + signal.SIGTERM
         assert not marker.exists()
