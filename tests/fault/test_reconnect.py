@@ -267,16 +267,23 @@ async def test_when_the_keys_cannot_be_checked_every_waiter_wakes(
 def test_the_check_reads_only_the_live_lock_index(conn: Conn) -> None:
     """The statement finds the keys whose lock is not the one given (released, replaced, or
     none given), and whichever plan PostgreSQL picks for it (custom, for these 1,000 keys, or
-    generic), it reads helix_job_locks through the live-lock index alone, never its history."""
+    generic), it reads the live locks through their primary key alone, never the history, beside
+    50,000 ended locks of these keys and 50,000 live ones of other organizations."""
     held = hold(conn, KEYS)
     conn.execute(
-        "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, acquired_at, expires_at,"
-        " released_at, release_reason, fencing_token)"
-        " SELECT 'org-' || g % 10, 'job-' || g % 1000, 'old', 'x', now() - interval '2 hours',"
-        " now() - interval '1 hour', now() - interval '90 minutes', 'released', g"
+        "INSERT INTO helix_lock_history (id, organization_id, job_type, slot, max_holders, holder, token,"
+        " acquired_at, expires_at, released_at, release_reason, fencing_token)"
+        " SELECT nextval('helix_lock_ids'), 'org-' || g % 10, 'job-' || g % 1000, 0, 1, 'old', 'x',"
+        " now() - interval '2 hours', now() - interval '1 hour', now() - interval '90 minutes', 'released', g"
         " FROM generate_series(1, 50000) AS g"
     )
-    conn.execute("ANALYZE helix_job_locks")
+    conn.execute(
+        "INSERT INTO helix_holds (organization_id, job_type, holder, token, acquired_at, expires_at,"
+        " fencing_token) SELECT 'other-' || g % 100, 'job-' || g, 'w', 'x', now(),"
+        " now() + interval '1 hour', 1"
+        " FROM generate_series(1, 50000) AS g"
+    )
+    conn.execute("ANALYZE helix_holds, helix_lock_history")
     # Five semaphores of 3, every slot held; then semaphore 1's third lock ends.
     semaphores = [("org-0", f"sem-{n}") for n in range(5)]
     first, _, third = (hold(conn, semaphores, max_holders=3) for _ in range(3))
@@ -315,4 +322,4 @@ def test_the_check_reads_only_the_live_lock_index(conn: Conn) -> None:
         assert plan[0]["Actual Rows"] == len(missed), mode
         assert not [node for node in plan if "Seq Scan" in node["Node Type"]], (mode, plan)
         indexes = {node["Index Name"] for node in plan if "Index Name" in node}
-        assert indexes == {"helix_job_locks_one_live"}, (mode, indexes)
+        assert indexes == {"helix_holds_pkey"}, (mode, indexes)

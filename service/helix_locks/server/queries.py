@@ -102,24 +102,22 @@ STOP_WAITING = "SELECT helix_stop_waiting(%(id)s) AS id"
 # Of the keys this process waits for, each with the lock its first waiter sleeps on (NULL: none)
 # and how many held the key's slots then, those whose live lock is not that one (released,
 # replaced or unknown), or, of a semaphore, that has fewer unreleased locks than that (another
-# slot ended). One statement for every key, each looked up on the live locks' primary key: never
-# the history's rows.
+# slot ended). One statement for every key, each key's live locks read on the live locks' primary
+# key (a LATERAL count per key: a NOT EXISTS here may become one hash of every live lock):
+# never the history's rows.
 MISSED_RELEASES = """
 SELECT k.organization_id, k.job_type
 FROM unnest(
     %(organization_ids)s::text[], %(job_types)s::text[], %(lock_ids)s::bigint[], %(holders)s::integer[]
 ) AS k (organization_id, job_type, lock_id, holders)
-WHERE NOT EXISTS (
-    SELECT FROM helix_holds AS h
-    WHERE h.organization_id = k.organization_id
-      AND h.job_type = k.job_type
-      AND h.id = k.lock_id
-) OR k.holders > 1 AND k.holders > (
-    SELECT count(*) FROM helix_holds AS h
-    WHERE h.organization_id = k.organization_id
-      AND h.job_type = k.job_type
-)
+CROSS JOIN LATERAL (
+    SELECT count(*) AS live, count(*) FILTER (WHERE h.id = k.lock_id) AS slept_on
+    FROM helix_holds AS h
+    WHERE h.organization_id = k.organization_id AND h.job_type = k.job_type
+) AS c
+WHERE c.slept_on = 0 OR k.holders > 1 AND k.holders > c.live
 """
+
 
 # How long until a held lock's lease runs out, by the database clock (a waiter's timer).
 REMAINING = "SELECT ttl_remaining_ms FROM helix_held_locks WHERE id = %(lock_id)s"
