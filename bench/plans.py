@@ -15,37 +15,34 @@ from harness import plans
 # PL/pgSQL prepares them: (what, parameter types, statement, sample arguments).
 PLAN_CHECKS = [
     (
-        "acquire: the key's live lock FOR UPDATE",
+        "acquire: the pair's live locks FOR UPDATE",
         "text, text",
-        "SELECT * FROM helix_job_locks AS l WHERE l.organization_id = $1 AND l.job_type = $2"
-        " AND l.released_at IS NULL FOR UPDATE",
+        "SELECT * FROM helix_holds AS h WHERE h.organization_id = $1 AND h.job_type = $2 FOR UPDATE",
         "'seed-org-1', 'seed-job-1'",
     ),
     (
-        "acquire: reclaim the expired lock",
-        "bigint",
-        "UPDATE helix_job_locks SET released_at = clock_timestamp(), release_reason = 'reclaimed'"
-        " WHERE id = $1",
-        "1",
+        "acquire/release: end a lock (helix_end_holds)",
+        "bigint[]",
+        "DELETE FROM helix_holds AS h WHERE h.id = ANY ($1) RETURNING h.*",
+        "ARRAY[1]::bigint[]",
     ),
     (
-        "acquire/release: the answer row",
+        "acquire: the answer row",
         "bigint",
-        "SELECT * FROM helix_job_lock_views AS v WHERE v.id = $1",
+        "SELECT * FROM helix_held_locks AS v WHERE v.id = $1",
         "1",
     ),
     (
         "release: the lock FOR UPDATE",
         "bigint, text",
-        "SELECT * FROM helix_job_locks AS l WHERE l.id = $1"
-        " AND ($2::text IS NULL OR l.organization_id = $2) FOR UPDATE",
+        "SELECT * FROM helix_holds AS h WHERE h.id = $1"
+        " AND ($2::text IS NULL OR h.organization_id = $2) FOR UPDATE",
         "1, 'bench'",
     ),
     (
-        "release: mark it released",
+        "release: the answer row",
         "bigint",
-        "UPDATE helix_job_locks AS l SET released_at = clock_timestamp(), release_reason = 'released'"
-        " WHERE l.id = $1",
+        "SELECT * FROM helix_ended_locks AS v WHERE v.id = $1",
         "1",
     ),
 ]
@@ -89,8 +86,8 @@ def check_listing_plans(url: str) -> str:
         cursors: dict[str, tuple[Any, ...]] = {}
         for org in organizations:
             found = conn.execute(
-                "SELECT job_type, released_at, id FROM helix_job_locks"
-                " WHERE organization_id = %s AND released_at IS NOT NULL"
+                "SELECT job_type, released_at, id FROM helix_lock_history"
+                " WHERE organization_id = %s"
                 " ORDER BY released_at DESC, id DESC LIMIT 1 OFFSET 20",
                 (org,),
             ).fetchone()

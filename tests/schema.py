@@ -171,7 +171,11 @@ def _table(conn: psycopg.Connection[Any], oid: int, name: str, options: list[str
 def _view(conn: psycopg.Connection[Any], oid: int, name: str, definition: str) -> str:
     parts = [_unqualified(part) for part in definition.split("\n UNION ALL\n")]
     more = [row[0] for row in conn.execute(_TABLE_COMMENTS, {"table": oid, "name": name, "kind": "VIEW"})]
-    more += [row[0] for query in (_VIEW_DEFAULTS, _TRIGGERS) for row in conn.execute(query, {"table": oid, "name": name})]
+    more += [
+        row[0]
+        for query in (_VIEW_DEFAULTS, _TRIGGERS)
+        for row in conn.execute(query, {"table": oid, "name": name})
+    ]
     return "\n".join(["\n UNION ALL\n".join(parts), *more])
 
 

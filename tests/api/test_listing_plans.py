@@ -33,7 +33,8 @@ SEED = [
     INSERT INTO helix_lock_history (id, organization_id, job_type, slot, max_holders, holder, token,
                                     fencing_token, acquired_at, expires_at, released_at,
                                     release_reason, forced_by)
-    SELECT nextval('helix_lock_ids'), 'big', 'job-' || n % 100, 0, 1, 'w', md5(n::text), n / 100 + 1, t, t + interval '30 s',
+    SELECT nextval('helix_lock_ids'), 'big', 'job-' || n % 100, 0, 1, 'w', md5(n::text), n / 100 + 1,
+           t, t + interval '30 s',
            t + interval '1 s', reason, CASE WHEN reason = 'forced' THEN 'admin-key' END
     FROM generate_series(1, 200000) AS n,
          LATERAL (SELECT now() - interval '1 day' + n * interval '400 ms' AS t,
@@ -51,7 +52,8 @@ SEED = [
     INSERT INTO helix_lock_history (id, organization_id, job_type, slot, max_holders, holder, token,
                                     fencing_token, acquired_at, expires_at, released_at,
                                     release_reason)
-    SELECT nextval('helix_lock_ids'), 'small', 'job-' || j, 0, 1, 'w', md5(j || '-' || k), k, t, t + interval '30 s',
+    SELECT nextval('helix_lock_ids'), 'small', 'job-' || j, 0, 1, 'w', md5(j || '-' || k), k,
+           t, t + interval '30 s',
            t + interval '1 s', (ARRAY['reclaimed', 'released', 'forced'])[k % 3 + 1]
     FROM generate_series(1, 3) AS j, generate_series(1, 12) AS k,
          LATERAL (SELECT now() - interval '12 hours' + (j * 12 + k) * interval '1 min' AS t) AS r

@@ -170,7 +170,7 @@ def test_a_release_that_answered_503_and_committed_is_a_release_to_the_sdk(
         grant = client.acquire("acme", "report", ttl=30)
         with psycopg.connect(db_url) as keys, psycopg.connect(db_url) as row:
             keys.execute("SELECT 1 FROM helix_lock_keys WHERE job_type = 'other' FOR UPDATE")
-            row.execute("SELECT 1 FROM helix_job_locks WHERE id = %s FOR KEY SHARE", (grant.id,))
+            row.execute("SELECT 1 FROM helix_holds WHERE id = %s FOR KEY SHARE", (grant.id,))
             # The one connection waits for the other key, the release waits for the connection.
             busy = Background(
                 lambda: httpx.post(

@@ -95,7 +95,7 @@ def test_a_failure_is_logged_once_with_its_request_id_and_no_secret(
         httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as http,
     ):
         lock = http.post("/v1/locks", json=lock_body()).json()
-        conn.execute("ALTER TABLE helix_job_locks RENAME TO helix_job_locks_gone")  # every call fails now
+        conn.execute("ALTER TABLE helix_holds RENAME TO helix_holds_gone")  # every call fails now
         failed = [
             http.post("/v1/locks", json=lock_body(job_type="b"), headers={"Idempotency-Key": "idem-7f3a9c"}),
             http.delete(f"/v1/locks/{lock['id']}", headers={"Lock-Token": lock["token"]}),

@@ -33,6 +33,8 @@ BUILDS = {
     "a1f1632": "before the exact event stream and quota (issue 34)",
     # Every migration, two of them as the server's move left their comments (EARLIER_CHECKSUMS).
     "020073f": "tests in layers (issue 36)",
+    # Migrations 0001 to 0022: the upgrade applies 0023, the lean data model, while it serves.
+    "57528db": "before the lean data model (issue 37)",
 }
 
 
@@ -65,6 +67,8 @@ class Workers:
 
     def __init__(self) -> None:
         self.answers: Counter[str] = Counter()
+        # Answered 500: (call, when it was sent, when it was answered), by monotonic time.
+        self.failed: list[tuple[str, float, float]] = []
         self.told: list[Told] = []
         self.released: list[int] = []
         self.stop = threading.Event()
@@ -79,15 +83,23 @@ class Workers:
     def cycle(self, name: str, url: str, holder: str) -> None:
         while not self.stop.is_set():
             try:
+                sent = time.monotonic()
                 got = acquire(url, HOT[1], holder)
                 self.answers[f"{name} acquire {got.status_code}"] += 1
+                if got.status_code == 500:
+                    self.failed.append((f"{name} acquire", sent, time.monotonic()))
                 if got.status_code != 201:
                     continue
                 lock = got.json()
                 at = datetime.fromisoformat(lock["acquired_at"])
                 self.told.append(Told(lock["id"], HOT, lock["fencing_token"], at))
-                released = lock_call("DELETE", url, lock).status_code
-                self.answers[f"{name} release {released}"] += 1
+                released = 500
+                while released == 500:  # a failed release changed nothing: the holder sends it again
+                    sent = time.monotonic()
+                    released = lock_call("DELETE", url, lock).status_code
+                    self.answers[f"{name} release {released}"] += 1
+                    if released == 500:
+                        self.failed.append((f"{name} release", sent, time.monotonic()))
                 if released == 204:
                     self.released.append(lock["id"])
             except httpx.TransportError as exc:  # counted, and the test fails on it
@@ -188,12 +200,19 @@ def test_a_rolling_upgrade_keeps_live_locks_and_history_while_an_earlier_build_s
         workers.start("old", old, 4)
         time.sleep(0.5)
         answered = sum(workers.answers.values())
+        migrating = time.monotonic()
         migrate(env)  # this build, while the earlier one serves
+        migrated = time.monotonic()
         # The earlier build answered while this one migrated, or the upgrade was not rolling.
         assert sum(workers.answers.values()) > answered, workers.answers
         assert [name for name, _ in applied(empty_db_url)] == [m.name for m in load()]
         new, _ = stack.enter_context(running_service(env=env, log=tmp_path / "new.log"))
         workers.start("new", new, 4)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+            workers.answers["old acquire 201"] > 0 and workers.answers["new acquire 201"] > 0
+        ):
+            time.sleep(0.2)
         time.sleep(2)
         workers.join()
 
@@ -217,8 +236,18 @@ def test_a_rolling_upgrade_keeps_live_locks_and_history_while_an_earlier_build_s
         assert acquire(new, "upgrade-after", "new-after").status_code == 409
 
     answers = workers.answers
+    # A call of the earlier build in flight while the migration replaced the tables it had
+    # planned for fails (500, its statement rolled back: nothing granted, nothing released), as
+    # docs/deployment.md says; any other 500 is a failure of the upgrade.
+    assert [
+        (call, sent, answered)
+        for call, sent, answered in workers.failed
+        if not (call.startswith("old ") and sent <= migrated and answered >= migrating)
+    ] == [], (workers.failed, migrating, migrated)
     assert set(answers) <= {
-        f"{side} {call}" for side in ("old", "new") for call in ("acquire 201", "acquire 409", "release 204")
+        f"{side} {call}"
+        for side in ("old", "new")
+        for call in ("acquire 201", "acquire 409", "release 204", "acquire 500", "release 500")
     }, answers
     # Both builds granted the hot key while the other served it.
     assert answers["old acquire 201"] > 0 and answers["new acquire 201"] > 0, answers
