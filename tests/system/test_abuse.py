@@ -578,6 +578,17 @@ def _seed_a_4_mb_page(db_url: str) -> None:
         )
 
 
+def _answers(got: bytes) -> list[tuple[int, int, int]]:
+    """The answers in what a connection received: status, Content-Length and body bytes received."""
+    answers = []
+    while got:
+        head, _, rest = got.partition(b"\r\n\r\n")
+        length = _length(head + b"\r\n\r\n")
+        answers.append((int(head.split(b" ", 2)[1]), length, min(len(rest), length)))
+        got = rest[length:]
+    return answers
+
+
 def test_answers_that_are_never_read_are_cut_off_and_free_what_they_held(db_url: str, tmp_path: Path) -> None:
     """30 clients ask for a page of 500 locks with 8 KiB of metadata each (4 MB) and read none of
     it: within the write timeout (1 s here) each connection is aborted, rather than holding its
@@ -600,12 +611,17 @@ def test_answers_that_are_never_read_are_cut_off_and_free_what_they_held(db_url:
             time.sleep(10)
             with httpx.Client(base_url=url, timeout=5) as http:
                 assert http.get("/healthz").status_code == 200
+            pages = 0
             for sock in readers:
-                got = answer(sock, within=5)
-                assert got.startswith(b"HTTP/1.1 200"), got[:100]
-                length = _length(got)
-                assert length > 4_000_000
-                assert len(got) < 2 * length, "cut off before both pages were sent"
+                # (On a loaded machine a request may wait past the pool's timeout and get 503 in
+                # full: shed, which is right; a page of 4 MB must never arrive whole.)
+                for status, length, received in _answers(answer(sock, within=5)):
+                    assert status in (200, 503), status
+                    if status == 200:
+                        assert length > 4_000_000
+                        assert received < length, "a page no one read was sent in full"
+                        pages += 1
+            assert pages >= len(readers) // 2, f"only {pages} pages were begun for 30 readers"
         finally:
             for sock in readers:
                 sock.close()
