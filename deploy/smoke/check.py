@@ -208,11 +208,12 @@ def database_role() -> None:
     """The replicas' database role is no superuser, may create nothing (no DDL) and owns nothing;
     the schema belongs to another role, no superuser either (the one migrate runs as)."""
     program = Path(__file__).with_name("replica_role.py").read_text()
-    for _ in range(5):
+    for _ in range(10):
         ran = subprocess.run(IN_REPLICA, input=program, capture_output=True, text=True, timeout=60)
-        # podman's DNS can fail a lookup for a moment (EAI_AGAIN, seen once in a fresh-clone CI
-        # run) although the replica reached the same host all along: ask again.
-        if ran.returncode == 0 or "Temporary failure in name resolution" not in ran.stderr:
+        # podman's DNS can fail a lookup for a moment (EAI_AGAIN, and EAI_NONAME "Name or service
+        # not known", each seen once in a fresh-clone CI run) although the replica reached the
+        # same host all along: ask again. Any other failure is the answer.
+        if ran.returncode == 0 or "failed to resolve host" not in ran.stderr:
             break
         time.sleep(2)
     if ran.returncode != 0:
