@@ -55,6 +55,8 @@ FUNCTION_EXCEPTIONS = {
     " argument is the row (NEW, OLD), which carries organization_id",
     "helix_end_holds(bigint[],timestamp with time zone,text,text)": "ends holds by their ids, which its"
     " caller found by the organization (or, for an admin's force, by the id alone: see above)",
+    "helix_raise_held(helix_holds[],timestamp with time zone,integer)": "raises the acquire's conflict"
+    " from the pair's holds, which its caller read by the organization and passes, each with it",
     "helix_announce_expiries(integer)": "the event reader's sweep of every organization's due expiries,"
     " as retention's; on Citus each node's reader runs it on its node (docs/scaling.md, 'Events')",
 }
