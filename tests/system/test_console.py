@@ -18,7 +18,7 @@ import httpx
 import psycopg
 import pytest
 from asgi_lifespan import LifespanManager
-from selenium.common.exceptions import StaleElementReferenceException
+from selenium.common.exceptions import ElementNotInteractableException, StaleElementReferenceException
 from selenium.webdriver import Chrome
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
@@ -76,8 +76,10 @@ def holders(browser: Chrome) -> list[str]:
 
 
 def wait_for(browser: Chrome, condition: Any, within: float = 10) -> Any:
-    """condition's first true answer; the page redraws as events come, so a stale element is retried."""
-    waiting = WebDriverWait(browser, within, 0.05, ignored_exceptions=(StaleElementReferenceException,))
+    """condition's first true answer; the page redraws as events come, so a stale element is retried,
+    and so is one not yet interactable (a row's button drawn but not laid out yet: seen in CI)."""
+    retried = (StaleElementReferenceException, ElementNotInteractableException)
+    waiting = WebDriverWait(browser, within, 0.05, ignored_exceptions=retried)
     return waiting.until(condition)
 
 
