@@ -275,7 +275,9 @@ async def test_every_watcher_on_every_replica_sees_the_database_s_history_under_
         f" expired (latest {late:.3f} s after expiry), {len(forced)} forced;"
         f" {time.monotonic() - started:.1f} s"
     )
-    assert late < 1.0, f"an expired event came {late:.3f} s after the lease ran out"
+    # One reader in the deployment sweeps for run-out leases at most once a second (migration 0023),
+    # then each reader's next poll sends it: about two seconds at most, three on a loaded machine.
+    assert late < 3.0, f"an expired event came {late:.3f} s after the lease ran out"
 
 
 CUTS = (1, 6, 13, 29, 30, 57, 90, 140)  # events each leg of a watch reads before it drops
