@@ -111,23 +111,22 @@ async def test_an_honest_resume_read_in_the_same_poll_as_a_poisoned_one_succeeds
 
 def history(db_url: str, organizations: int, locks: int, prefix: str = "busy-") -> None:
     """Ended locks of other organizations, as their workers would leave them (two events each),
-    written in bulk: the service's trigger stamps them as it stamps every grant and release."""
+    written in bulk: each organization's granted and ended by one transaction, stamped as the
+    view's trigger stamps such a lock (helix_job_locks_written), straight into the history table,
+    which takes a bulk insert in a tenth of the time that a row-by-row trigger does."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         for org in range(organizations):
-            with conn.transaction():
-                conn.execute(
-                    "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, acquired_at,"
-                    " expires_at, fencing_token) SELECT %s, 'job-' || g, 'w', md5(g::text),"
-                    " clock_timestamp(), clock_timestamp() + interval '30 s', 1"
-                    " FROM generate_series(1, %s) g",
-                    (f"{prefix}{org}" if organizations > 1 else prefix, locks),
-                )
-                conn.execute(
-                    "UPDATE helix_job_locks SET released_at = clock_timestamp(), release_reason = 'released'"
-                    " WHERE organization_id = %s AND released_at IS NULL",
-                    (f"{prefix}{org}" if organizations > 1 else prefix,),
-                )
-        conn.execute("VACUUM ANALYZE helix_job_locks")
+            conn.execute(
+                "INSERT INTO helix_lock_history (id, organization_id, job_type, slot, max_holders, holder,"
+                " token, fencing_token, acquired_at, expires_at, released_at, release_reason,"
+                " acquired_xid, changed_xid)"
+                " SELECT nextval('helix_lock_ids'), %s, 'job-' || g, 0, 1, 'w', md5(g::text), 1,"
+                " clock_timestamp(), clock_timestamp() + interval '30 s', clock_timestamp(), 'released',"
+                " pg_current_xact_id(), pg_current_xact_id()"
+                " FROM generate_series(1, %s) g",
+                (f"{prefix}{org}" if organizations > 1 else prefix, locks),
+            )
+        conn.execute("VACUUM ANALYZE helix_lock_history")
 
 
 # Timed against each other, so run alone: in the fault stage (serial), not beside other tests.
