@@ -68,12 +68,14 @@ def worker_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     (wheel,) = where.glob("helix_locks-*.whl")
     venv = where / "venv"
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=120)
+    # Without a pip of its own: this interpreter's pip installs into it.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
     subprocess.run(
-        [venv / "bin/pip", "install", "--quiet", "--disable-pip-version-check", wheel],
+        [sys.executable, "-m", "pip", "--python", venv / "bin/python", "install", "--quiet",
+         "--disable-pip-version-check", "--no-compile", wheel],
         check=True,
         timeout=300,
-    )
+    )  # fmt: skip
     return venv
 
 

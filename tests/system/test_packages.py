@@ -47,12 +47,17 @@ def _run(*command: str | Path, cwd: Path = ROOT, env: Mapping[str, str] | None =
 
 
 def _venv(where: Path) -> Path:
-    _run(sys.executable, "-m", "venv", where)
+    """A fresh venv without a pip of its own: this interpreter's pip installs into it
+    (`_pip_install`), which spares each venv a copy of pip and its bytecode."""
+    _run(sys.executable, "-m", "venv", "--without-pip", where)
     return where
 
 
 def _pip_install(venv: Path, *args: str | Path) -> None:
-    _run(venv / "bin/pip", "install", "--quiet", "--disable-pip-version-check", *args)
+    _run(
+        sys.executable, "-m", "pip", "--python", venv / "bin/python", "install", "--quiet",
+        "--disable-pip-version-check", "--no-compile", *args,
+    )  # fmt: skip
 
 
 def _package_files() -> set[str]:
