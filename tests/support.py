@@ -158,6 +158,25 @@ def expire(conn: Conn, lock_id: int) -> None:
     )
 
 
+ENDED_COLUMNS = (
+    "organization_id, job_type, holder, token, metadata, fencing_token, acquired_at, expires_at,"
+    " released_at, release_reason"
+)
+
+
+def insert_ended(conn: Conn, rows: str, params: tuple[object, ...] | None = None) -> None:
+    """Ended locks in bulk, straight into helix_lock_history: `rows` is a SELECT of ENDED_COLUMNS'
+    values, one row per lock. Each gets an id and slot 0 of 1, and is stamped as the view's trigger
+    (helix_job_locks_written) stamps a lock granted and ended by one transaction; a tenth of the
+    time that trigger takes row by row."""
+    conn.execute(
+        "INSERT INTO helix_lock_history (id, slot, max_holders, acquired_xid, changed_xid,"
+        f" {ENDED_COLUMNS}) SELECT nextval('helix_lock_ids'), 0, 1, pg_current_xact_id(),"
+        f" pg_current_xact_id(), r.* FROM ({rows}) AS r({ENDED_COLUMNS})",
+        params,
+    )
+
+
 def assert_problem(response: httpx.Response, status: int) -> dict[str, Any]:
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == PROBLEM

@@ -10,28 +10,26 @@ import pytest
 from helix_locks.server.db import Database, create_pool
 from helix_locks.server.retention import Pruner
 from helix_locks.server.settings import Settings
-from tests.support import Conn
+from tests.support import Conn, insert_ended
 
 pytestmark = pytest.mark.anyio
 
 
 def seed(conn: Conn) -> None:
     """200,000 ended locks 8 to 30 days old on 500 keys, 100 ended yesterday, 10 live."""
-    conn.execute(
-        "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, fencing_token,"
-        " acquired_at, expires_at, released_at, release_reason)"
-        " SELECT 'acme', 'job-' || (n % 500), 'w', md5(n::text), n / 500 + 1,"
+    insert_ended(
+        conn,
+        "SELECT 'acme', 'job-' || (n % 500), 'w', md5(n::text), NULL::jsonb, n / 500 + 1,"
         "  now() - make_interval(days => 8 + n % 22) - interval '1 minute',"
         "  now() - make_interval(days => 8 + n % 22),"
         "  now() - make_interval(days => 8 + n % 22), 'released'"
-        " FROM generate_series(0, 199999) AS n"
+        " FROM generate_series(0, 199999) AS n",
     )
-    conn.execute(
-        "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, fencing_token,"
-        " acquired_at, expires_at, released_at, release_reason)"
-        " SELECT 'acme', 'recent-' || n, 'w', md5(n::text), 1, now() - interval '1 day',"
+    insert_ended(
+        conn,
+        "SELECT 'acme', 'recent-' || n, 'w', md5(n::text), NULL::jsonb, 1, now() - interval '1 day',"
         "  now() - interval '23 hours', now() - interval '23 hours', 'released'"
-        " FROM generate_series(1, 100) AS n"
+        " FROM generate_series(1, 100) AS n",
     )
     conn.execute(
         "INSERT INTO helix_lock_keys SELECT 'acme', 'job-' || n, 1000 FROM generate_series(0, 499) AS n"
@@ -75,12 +73,11 @@ async def test_only_one_replica_prunes_at_a_time(db_url: str, conn: Conn) -> Non
 
 def test_a_prune_with_nothing_to_delete_reads_almost_nothing(conn: Conn) -> None:
     """The retained history is not read to find that nothing in it is old enough."""
-    conn.execute(
-        "INSERT INTO helix_job_locks (organization_id, job_type, holder, token, fencing_token,"
-        " acquired_at, expires_at, released_at, release_reason)"
-        " SELECT 'acme', 'recent-' || n, 'w', md5(n::text), 1, now() - interval '1 day',"
+    insert_ended(
+        conn,
+        "SELECT 'acme', 'recent-' || n, 'w', md5(n::text), NULL::jsonb, 1, now() - interval '1 day',"
         "  now() - interval '23 hours', now() - interval '23 hours', 'released'"
-        " FROM generate_series(1, 20000) AS n"
+        " FROM generate_series(1, 20000) AS n",
     )
     conn.execute("ANALYZE helix_lock_history")
     with conn.transaction():
