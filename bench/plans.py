@@ -21,10 +21,12 @@ PLAN_CHECKS = [
         "'seed-org-1', 'seed-job-1'",
     ),
     (
-        "acquire/release: end a lock (helix_end_holds)",
-        "bigint[]",
-        "DELETE FROM helix_holds AS h WHERE h.id = ANY ($1) RETURNING h.*",
-        "ARRAY[1]::bigint[]",
+        "acquire/release: end a lock (helix_end_holds; a release gives the token and organization)",
+        "bigint[], text, text",
+        "DELETE FROM helix_holds AS h WHERE h.id = ANY ($1)"
+        " AND ($3::text IS NULL OR h.organization_id = $3)"
+        " AND ($2::text IS NULL OR helix_digest(h.token) = helix_digest($2)) RETURNING h.*",
+        "ARRAY[1]::bigint[], 'x', 'bench'",
     ),
     (
         "acquire: the answer row",
@@ -33,7 +35,7 @@ PLAN_CHECKS = [
         "1",
     ),
     (
-        "release: the lock FOR UPDATE",
+        "release, when its token was not the hold's: the lock FOR UPDATE",
         "bigint, text",
         "SELECT * FROM helix_holds AS h WHERE h.id = $1"
         " AND ($2::text IS NULL OR h.organization_id = $2) FOR UPDATE",

@@ -53,8 +53,6 @@ FUNCTION_EXCEPTIONS = {
     " runs where the row is",
     "helix_job_locks_written()": "the trigger that takes writes through the view helix_job_locks: its"
     " argument is the row (NEW, OLD), which carries organization_id",
-    "helix_end_holds(bigint[],timestamp with time zone,text,text)": "ends holds by their ids, which its"
-    " caller found by the organization (or, for an admin's force, by the id alone: see above)",
     "helix_raise_held(helix_holds[],timestamp with time zone,integer)": "raises the acquire's conflict"
     " from the pair's holds, which its caller read by the organization and passes, each with it",
     "helix_announce_expiries(integer)": "the event reader's sweep of every organization's due expiries,"

@@ -220,6 +220,22 @@ def test_grant_after_a_waited_release_starts_after_it(db_url: str, conn: Conn) -
     assert outcome["result"]["fencing_token"] == 2
 
 
+def test_a_release_that_waited_on_a_renewal_in_flight_is_dated_after_its_commit(
+    db_url: str, conn: Conn
+) -> None:
+    """A release deletes the hold without locking it first: its end is dated as the hold is
+    deleted, after the wait, never before the renewal it waited for committed."""
+    held = acquire(conn, holder="holder")
+    with psycopg.connect(db_url) as renewer, psycopg.connect(db_url, autocommit=True) as releaser:
+        renew(renewer, held["id"], held["token"], 30000)
+        with waiting(conn, releaser, lambda: release(releaser, held["id"], held["token"])) as outcome:
+            [(committing,)] = renewer.execute("SELECT clock_timestamp()").fetchall()
+            renewer.commit()
+    assert outcome["result"]["released_at"] > committing
+    ended = row(conn, held["id"])
+    assert (ended["release_reason"], ended["renewed_at"] < ended["released_at"]) == ("released", True)
+
+
 def test_fencing_tokens_increase_and_survive_pruned_history(conn: Conn) -> None:
     tokens = []
     for _ in range(3):
