@@ -105,10 +105,7 @@ def test_run_stops_the_whole_process_group_when_the_lock_is_lost(
         LockClient(url) as client,
     ):
         process = helix_run(url, "--org", "acme", "--job-type", "etl", "--ttl", "3", "--", "sh", "-c", script)
-        while not pidfile.exists() or not pidfile.read_text().strip():
-            assert process.poll() is None
-            time.sleep(0.05)
-        grandchild = int(pidfile.read_text())
+        grandchild = written_pid(pidfile, process)
         steal(conn, client, "acme", "etl")
         assert process.wait(timeout=10) == 76
         assert not alive(grandchild), "the command's background child must be stopped too"
@@ -137,12 +134,7 @@ def test_run_stops_the_command_before_the_lease_ends_when_the_service_is_gone(
     with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, server):
         command = ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 100"]
         process = helix_run(url, "--org", "acme", "--job-type", "x", "--ttl", "2", "--", *command)
-        deadline = time.monotonic() + 10
-        while not pidfile.exists() or not pidfile.read_text().strip():  # held: the command runs
-            assert time.monotonic() < deadline, "run never started the command"
-            assert process.poll() is None
-            time.sleep(0.05)
-        pid = int(pidfile.read_text())
+        pid = written_pid(pidfile, process)  # held: the command runs
         server.send_signal(signal.SIGKILL)
         server.wait()
     # The database outlives the service: its clock judges the lease. Each look at the command
@@ -196,6 +188,16 @@ def test_run_with_max_holders_gives_each_command_its_slot(db_url: str, tmp_path:
     assert full.returncode == 75 and "all 2 slots" in full_err, full_err
     assert other.returncode == 64 and "allow 2 holders" in other_err, other_err
     assert took < 5, "a mismatch is not waited for"
+
+
+def written_pid(pidfile: Path, process: subprocess.Popen[str], timeout: float = 10) -> int:
+    """The pid that `run`'s command wrote into pidfile, once it has; `run` must still be running."""
+    deadline = time.monotonic() + timeout
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        assert time.monotonic() < deadline, "run never started the command"
+        assert process.poll() is None
+        time.sleep(0.05)
+    return int(pidfile.read_text())
 
 
 def alive(pid: int) -> bool:
