@@ -1,6 +1,7 @@
-"""How an organization's listings must be planned, judged by EXPLAIN: one Index Scan of one range
-of the listing's index, in order, stopping at LIMIT. tests/api/test_listing_plans.py judges the
-statements the service sends; the bench (bench/plans.py) judges them on its seeded database."""
+"""How the lock calls' statements must be planned, judged by EXPLAIN: each row look-up of a lock
+call by its index (LOOKUPS), and an organization's listings as one Index Scan of one range of the
+listing's index, in order, stopping at LIMIT. tests/api/test_listing_plans.py judges them beside
+other organizations' rows; the bench (bench/plans.py) judges them on its seeded database."""
 
 from __future__ import annotations
 
@@ -34,10 +35,100 @@ TYPES = {
     "after_slot": "integer",
     "after_released_at": "timestamptz",
     "after_id": "bigint",
+    "id": "bigint",
+    "ids": "bigint[]",
+    "slot": "integer",
+    "token": "text",
+    "holder": "text",
+    "idempotency_key": "text",
 }
 
 Conn = psycopg.Connection[Any]
 PLAN_MODES = ("force_custom_plan", "force_generic_plan")
+
+# The row look-ups of the lock calls (migrations/schema.sql), as PL/pgSQL prepares them, with the
+# index each must use in the generic plan, the one the calls keep (migration 0024). (Custom plans,
+# made for the values at hand, may take another index for an organization the statistics do not
+# know: its range of helix_holds_pkey, say, for a lock's id.)
+# (what, statement, its parameters' names (types in TYPES), the index.)
+LOOKUPS = [
+    (
+        "acquire: the pair's fencing counter",
+        "UPDATE helix_lock_keys AS k SET last_fencing_token = k.last_fencing_token + 1"
+        " WHERE k.organization_id = $1 AND k.job_type = $2 RETURNING k.last_fencing_token",
+        ("organization_id", "job_type"),
+        "helix_lock_keys_pkey",
+    ),
+    (
+        "acquire: an idempotent repeat's live grant",
+        "SELECT FROM helix_holds AS h WHERE h.organization_id = $1 AND h.job_type = $2"
+        " AND h.idempotency_key = $3 AND h.holder = $4 AND h.expires_at > clock_timestamp()",
+        ("organization_id", "job_type", "idempotency_key", "holder"),
+        "helix_holds_pkey",
+    ),
+    (
+        "acquire: the pair's live locks FOR UPDATE",
+        "SELECT * FROM helix_holds AS h WHERE h.organization_id = $1 AND h.job_type = $2"
+        " ORDER BY h.slot FOR UPDATE",
+        ("organization_id", "job_type"),
+        "helix_holds_pkey",
+    ),
+    (
+        "acquire: the leases that lapsed, announced",
+        "UPDATE helix_holds AS h SET expired_xid = pg_current_xact_id()"
+        " WHERE h.organization_id = $1 AND h.job_type = $2 AND h.id = ANY ($3)",
+        ("organization_id", "job_type", "ids"),
+        "helix_holds_pkey",
+    ),
+    (
+        "acquire/release: end locks (helix_end_holds; a release gives the token and organization)",
+        "DELETE FROM helix_holds AS h WHERE h.id = ANY ($1)"
+        " AND ($2::text IS NULL OR h.organization_id = $2)"
+        " AND ($3::text IS NULL OR helix_digest(h.token) = helix_digest($3)) RETURNING h.*",
+        ("ids", "organization_id", "token"),
+        "helix_holds_id",
+    ),
+    (
+        "acquire, renew, update: the answer row",
+        "SELECT * FROM helix_held_locks AS v JOIN helix_holds AS h ON h.id = v.id WHERE v.id = $1",
+        ("id",),
+        "helix_holds_id",
+    ),
+    (
+        "renew, update, a release whose token was not the hold's: the lock, row-locked",
+        "SELECT * FROM helix_holds AS h WHERE h.id = $1"
+        " AND ($2::text IS NULL OR h.organization_id = $2) FOR UPDATE",
+        ("id", "organization_id"),
+        "helix_holds_id",
+    ),
+    (
+        "renew, update: the hold, updated in place",
+        "UPDATE helix_holds AS h SET expires_at = clock_timestamp()"
+        " WHERE h.organization_id = $1 AND h.job_type = $2 AND h.slot = $3",
+        ("organization_id", "job_type", "slot"),
+        "helix_holds_pkey",
+    ),
+    (
+        "release: the answer row",
+        "SELECT * FROM helix_ended_locks AS v WHERE v.id = $1",
+        ("id",),
+        "helix_lock_history_pkey",
+    ),
+    (
+        "a call on an ended lock: its end (helix_raise_ended)",
+        "SELECT * FROM helix_lock_history AS e WHERE e.id = $1"
+        " AND ($2::text IS NULL OR e.organization_id = $2)",
+        ("id", "organization_id"),
+        "helix_lock_history_pkey",
+    ),
+    (
+        "an end: anyone waiting for the pair (helix_lock_released)",
+        "SELECT 1 FROM helix_lock_waiters AS w WHERE w.organization_id = $1 AND w.job_type = $2"
+        " AND w.until > clock_timestamp()",
+        ("organization_id", "job_type"),
+        "helix_lock_waiters_key",
+    ),
+]
 
 
 def parameters(statement: str) -> list[str]:
@@ -97,4 +188,30 @@ def problems(statement: str, root: dict[str, Any], mode: str, limit: int | None)
         found.append(f"{removed} rows removed by filters")
     if buffers > 3 * limit + 20:
         found.append(f"{buffers} buffers for at most {limit} rows")
+    return found
+
+
+def lookup_problems(conn: Conn, params: dict[str, Any]) -> list[str]:
+    """What is wrong with the generic plans of LOOKUPS for the sample `params` (an organization, a
+    job type, a lock's id...): each must read its index and no table whole. Plain EXPLAIN: nothing
+    is run. `conn`: autocommit, with prepare_threshold=None."""
+    found = []
+    conn.execute("SET plan_cache_mode = force_generic_plan")
+    for what, statement, names, index in LOOKUPS:
+        conn.execute("DEALLOCATE ALL")
+        conn.execute(f"PREPARE lookup ({', '.join(TYPES[name] for name in names)}) AS {statement}")
+        values = sql.SQL(", ").join(sql.Literal(params[name]) for name in names)
+        row = conn.execute(sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE lookup ({})").format(values)).fetchone()
+        assert row is not None
+        everything = list(nodes(row[0][0]["Plan"]))
+        outline = " / ".join(
+            n["Node Type"] + (f" using {n['Index Name']}" if "Index Name" in n else "") for n in everything
+        )
+        if "$1" not in json.dumps(row[0][0]):
+            found.append(f"{what}: not a generic plan: {outline}")
+        if any("Seq Scan" in n["Node Type"] for n in everything):
+            found.append(f"{what}: a Seq Scan: {outline}")
+        elif not any(n.get("Index Name") == index for n in everything):
+            found.append(f"{what}: not by {index}: {outline}")
+    conn.execute("RESET plan_cache_mode")
     return found

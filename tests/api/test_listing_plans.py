@@ -14,7 +14,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from harness.plans import LISTINGS, PLAN_MODES, explain, problems
+from harness.plans import LISTINGS, PLAN_MODES, explain, lookup_problems, problems
 from harness.processes import url_for
 from helix_locks.server import keys, queries
 from helix_locks.server.app import create_app
@@ -174,6 +174,31 @@ async def test_an_organizations_listings_read_its_own_range_and_stop_at_limit(
                     f"{what}: {json.dumps(params, default=str)} ({mode}); plan: {json.dumps(root)}"
                     for what in problems(statement, root, mode, params["limit"])
                 ]
+    assert not found, "\n".join(found)
+
+
+def test_the_lock_calls_look_rows_up_by_their_indexes(seeded: str) -> None:
+    """Every row look-up of acquire, renew, update and release reads its index in the generic plan
+    the calls keep (migration 0024), for BUSY's pair (20,000 live locks and 200,000 ended ones) and
+    for a pair that the statistics have never seen (whose custom plans read other indexes)."""
+    with psycopg.connect(seeded, autocommit=True, prepare_threshold=None) as conn:
+        one = "SELECT id FROM {} WHERE organization_id = %s LIMIT 1"
+        live = conn.execute(one.format("helix_holds"), (BUSY,)).fetchone()
+        ended = conn.execute(one.format("helix_lock_history"), (BUSY,)).fetchone()
+        assert live and ended
+        found = []
+        for organization_id, job_type, lock_id in ((BUSY, "job-7", live[0]), ("new", "new", ended[0])):
+            params = {
+                "organization_id": organization_id,
+                "job_type": job_type,
+                "id": lock_id,
+                "ids": [lock_id],
+                "slot": 0,
+                "token": "t",
+                "holder": "w",
+                "idempotency_key": "k",
+            }
+            found += lookup_problems(conn, params)
     assert not found, "\n".join(found)
 
 
