@@ -113,3 +113,31 @@ def test_the_checked_in_schema_is_the_one_the_migrations_make(db_url: str) -> No
     assert checked_in == made, (
         "migrations/schema.sql is out of date with the migrations: run `python -m tests.schema`"
     )
+
+
+def test_every_table_column_view_and_function_says_what_it_is(db_url: str) -> None:
+    """The schema explains itself where it runs (issue 37): migrations/schema.sql is read from
+    the catalog, so what it says of each object is the object's COMMENT."""
+    with psycopg.connect(db_url) as conn:
+        silent = conn.execute(
+            """
+            SELECT 'table ' || c.relname FROM pg_class AS c
+            WHERE c.relname LIKE 'helix%' AND c.relkind IN ('r', 'v', 'S')
+              AND c.relnamespace = 'public'::regnamespace
+              AND obj_description(c.oid, 'pg_class') IS NULL
+              -- not an identity column's sequence, which is part of its column
+              AND NOT EXISTS (SELECT FROM pg_depend AS d WHERE d.objid = c.oid AND d.deptype = 'i')
+            UNION ALL
+            SELECT 'column ' || c.relname || '.' || a.attname
+            FROM pg_class AS c JOIN pg_attribute AS a ON a.attrelid = c.oid
+            WHERE c.relname LIKE 'helix%' AND c.relkind = 'r' AND a.attnum > 0 AND NOT a.attisdropped
+              AND c.relnamespace = 'public'::regnamespace
+              AND col_description(c.oid, a.attnum) IS NULL
+            UNION ALL
+            SELECT 'function ' || p.oid::regprocedure FROM pg_proc AS p
+            WHERE p.proname LIKE 'helix%' AND p.pronamespace = 'public'::regnamespace
+              AND obj_description(p.oid, 'pg_proc') IS NULL
+            ORDER BY 1
+            """
+        ).fetchall()
+    assert [what for (what,) in silent] == []
