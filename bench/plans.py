@@ -11,10 +11,7 @@ import psycopg
 from harness import plans
 
 # A seeded pair (organization k % 100, job type k) and one of the bench's own, for the look-ups.
-SAMPLES = (
-    {"organization_id": "seed-org-1", "job_type": "seed-job-1"},
-    {"organization_id": "bench", "job_type": "bench-job"},
-)
+SAMPLES = (("seed-org-1", "seed-job-1"), ("bench", "bench-job"))
 
 
 def check_plans(url: str) -> str:
@@ -22,16 +19,8 @@ def check_plans(url: str) -> str:
     generic plans the calls keep."""
     bad: list[str] = []
     with psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn:
-        for sample in SAMPLES:
-            params = sample | {
-                "id": 1,
-                "ids": [1],
-                "slot": 0,
-                "token": "x",
-                "holder": "w",
-                "idempotency_key": "k",
-            }
-            bad += plans.lookup_problems(conn, params)
+        for organization_id, job_type in SAMPLES:
+            bad += plans.lookup_problems(conn, organization_id, job_type, 1)
     if bad:
         return "plan check: WARNING, not by the expected index: " + "; ".join(bad)
     return (
@@ -88,13 +77,9 @@ def check_listing_plans(url: str) -> str:
                 root = plans.explain(conn, statement, params, mode)
                 checked += 1
                 if wrong := plans.problems(statement, root, mode, limit=None):
-                    outline = " / ".join(
-                        node["Node Type"] + (f" using {node['Index Name']}" if "Index Name" in node else "")
-                        for node in plans.nodes(root["Plan"])
-                    )
                     kind = ("live locks" if live else "history") + (" of a job type" if of_job_type else "")
                     where = f"{kind} of {org}, state {state}, cursor {cursor} ({mode})"
-                    bad.append(f"{where}: {', '.join(wrong)}: {outline}")
+                    bad.append(f"{where}: {', '.join(wrong)}: {plans.outline(root['Plan'])}")
     if bad:
         return "listing plan check: WARNING, not one ordered index range: " + "; ".join(bad)
     return (

@@ -191,10 +191,27 @@ def problems(statement: str, root: dict[str, Any], mode: str, limit: int | None)
     return found
 
 
-def lookup_problems(conn: Conn, params: dict[str, Any]) -> list[str]:
-    """What is wrong with the generic plans of LOOKUPS for the sample `params` (an organization, a
-    job type, a lock's id...): each must read its index and no table whole. Plain EXPLAIN: nothing
-    is run. `conn`: autocommit, with prepare_threshold=None."""
+def outline(plan: dict[str, Any]) -> str:
+    """A plan in one line: each node's type, with the index it reads."""
+    return " / ".join(
+        n["Node Type"] + (f" using {n['Index Name']}" if "Index Name" in n else "") for n in nodes(plan)
+    )
+
+
+def lookup_problems(conn: Conn, organization_id: str, job_type: str, lock_id: int) -> list[str]:
+    """What is wrong with the generic plans of LOOKUPS for a pair and a lock id: each must read its
+    index and no table whole. Plain EXPLAIN: nothing is run. `conn`: autocommit, with
+    prepare_threshold=None."""
+    params = {
+        "organization_id": organization_id,
+        "job_type": job_type,
+        "id": lock_id,
+        "ids": [lock_id],
+        "slot": 0,
+        "token": "t",
+        "holder": "w",
+        "idempotency_key": "k",
+    }
     found = []
     conn.execute("SET plan_cache_mode = force_generic_plan")
     for what, statement, names, index in LOOKUPS:
@@ -203,15 +220,13 @@ def lookup_problems(conn: Conn, params: dict[str, Any]) -> list[str]:
         values = sql.SQL(", ").join(sql.Literal(params[name]) for name in names)
         row = conn.execute(sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE lookup ({})").format(values)).fetchone()
         assert row is not None
-        everything = list(nodes(row[0][0]["Plan"]))
-        outline = " / ".join(
-            n["Node Type"] + (f" using {n['Index Name']}" if "Index Name" in n else "") for n in everything
-        )
-        if "$1" not in json.dumps(row[0][0]):
-            found.append(f"{what}: not a generic plan: {outline}")
+        root = row[0][0]
+        everything = list(nodes(root["Plan"]))
+        if "$1" not in json.dumps(root):
+            found.append(f"{what}: not a generic plan: {outline(root['Plan'])}")
         if any("Seq Scan" in n["Node Type"] for n in everything):
-            found.append(f"{what}: a Seq Scan: {outline}")
+            found.append(f"{what}: a Seq Scan: {outline(root['Plan'])}")
         elif not any(n.get("Index Name") == index for n in everything):
-            found.append(f"{what}: not by {index}: {outline}")
+            found.append(f"{what}: not by {index}: {outline(root['Plan'])}")
     conn.execute("RESET plan_cache_mode")
     return found

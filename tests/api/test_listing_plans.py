@@ -186,19 +186,7 @@ def test_the_lock_calls_look_rows_up_by_their_indexes(seeded: str) -> None:
         live = conn.execute(one.format("helix_holds"), (BUSY,)).fetchone()
         ended = conn.execute(one.format("helix_lock_history"), (BUSY,)).fetchone()
         assert live and ended
-        found = []
-        for organization_id, job_type, lock_id in ((BUSY, "job-7", live[0]), ("new", "new", ended[0])):
-            params = {
-                "organization_id": organization_id,
-                "job_type": job_type,
-                "id": lock_id,
-                "ids": [lock_id],
-                "slot": 0,
-                "token": "t",
-                "holder": "w",
-                "idempotency_key": "k",
-            }
-            found += lookup_problems(conn, params)
+        found = lookup_problems(conn, BUSY, "job-7", live[0]) + lookup_problems(conn, "new", "new", ended[0])
     assert not found, "\n".join(found)
 
 
