@@ -1,8 +1,8 @@
 """The current schema, checked in as migrations/schema.sql: `python -m tests.schema` rewrites it.
 
 Read from the catalog of a database the migration runner created, in a stable order (sequences;
-tables, each with its indexes and triggers; views, each with its column defaults and triggers;
-functions, each with who may call it; all by name, each with what COMMENT ON says of it),
+composite types; tables, each with its indexes and triggers; views, each with its column defaults
+and triggers; functions, each with who may call it; all by name, each with what COMMENT ON says of it),
 through the server's own deparsing functions, never pg_dump, whose output varies with its version.
 The same text comes out of PostgreSQL 14 to 18 (the one difference, in views, is normalised; 13
 stores a view's EXTRACT as date_part(), so its views differ, and tests/sql/test_migrate.py says so);
@@ -96,6 +96,11 @@ LEFT JOIN pg_catalog.pg_attribute AS a ON a.attrelid = d.objoid AND a.attnum = d
 WHERE d.classoid = 'pg_catalog.pg_class'::regclass AND d.objoid = %(table)s
 ORDER BY d.objsubid
 """
+# Composite types (a function's rows), and what COMMENT ON says of each.
+_TYPES = """
+SELECT c.oid, pg_catalog.quote_ident(c.relname), pg_catalog.obj_description(c.reltype, 'pg_type')
+FROM pg_catalog.pg_class AS c WHERE c.relnamespace = %(ns)s AND c.relkind = 'c' ORDER BY c.relname
+"""
 _VIEWS = """
 SELECT c.oid, pg_catalog.quote_ident(c.relname),
        'CREATE VIEW ' || pg_catalog.quote_ident(c.relname) || ' AS' || E'\n'
@@ -123,12 +128,13 @@ FROM pg_catalog.pg_proc AS p
 WHERE p.pronamespace = %(ns)s
 ORDER BY p.proname, pg_catalog.pg_get_function_identity_arguments(p.oid) COLLATE "C"
 """
-# What the queries above leave out: relations other than tables, their indexes, views and
-# sequences; types other than relations' row types and their arrays; comments on anything but
-# tables, views, sequences, their columns, functions and triggers.
+# What the queries above leave out: relations other than tables, their indexes, views,
+# sequences and composite types; types other than relations' row types and their arrays;
+# comments on anything but tables, views, sequences, composite types, their columns, functions
+# and triggers.
 _UNRENDERED = """
 SELECT 'relation ' || c.relname || ' (relkind ' || c.relkind::text || ')' FROM pg_catalog.pg_class AS c
-WHERE c.relnamespace = %(ns)s AND c.relkind NOT IN ('r', 'i', 'v', 'S')
+WHERE c.relnamespace = %(ns)s AND c.relkind NOT IN ('r', 'i', 'v', 'S', 'c')
 UNION ALL
 SELECT 'type ' || t.typname FROM pg_catalog.pg_type AS t
 WHERE t.typnamespace = %(ns)s AND t.typrelid = 0
@@ -137,6 +143,8 @@ UNION ALL
 SELECT 'the comment on ' || pg_catalog.pg_describe_object(d.classoid, d.objoid, d.objsubid)
 FROM pg_catalog.pg_description AS d
 WHERE d.classoid NOT IN ('pg_catalog.pg_proc'::regclass, 'pg_catalog.pg_trigger'::regclass)
+  AND NOT (d.classoid = 'pg_catalog.pg_type'::regclass
+           AND EXISTS (SELECT FROM pg_catalog.pg_class AS c WHERE c.reltype = d.objoid AND c.relkind = 'c'))
   AND NOT (d.classoid = 'pg_catalog.pg_class'::regclass
            AND EXISTS (SELECT FROM pg_catalog.pg_class AS c
                        WHERE c.oid = d.objoid AND c.relkind IN ('r', 'v', 'S')))
@@ -166,6 +174,18 @@ def _table(conn: psycopg.Connection[Any], oid: int, name: str, options: list[str
     more = [row[0] for row in conn.execute(_TABLE_COMMENTS, {"table": oid, "name": name, "kind": "TABLE"})]
     more += [row[0] for query in (_INDEXES, _TRIGGERS) for row in conn.execute(query, {"table": oid})]
     return "\n".join([create, *more])
+
+
+def _type(conn: psycopg.Connection[Any], oid: int, name: str, comment: str | None) -> str:
+    columns = [f"    {column} {type_}" for column, type_, *_ in conn.execute(_COLUMNS, {"table": oid})]
+    create = f"CREATE TYPE {name} AS (\n" + ",\n".join(columns) + "\n);"
+    if comment is None:
+        return create
+    return create + "\n" + f"COMMENT ON TYPE {name} IS " + _literal(comment) + ";"
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _view(conn: psycopg.Connection[Any], oid: int, name: str, definition: str) -> str:
@@ -206,6 +226,7 @@ def document(conninfo: str) -> str:
         applied = [name for (name,) in conn.execute("SELECT name FROM helix_schema_migrations ORDER BY name")]
         sections = [HEADER.format(first=applied[0], last=applied[-1])]
         sections += [row[0] for row in conn.execute(_SEQUENCES, {"ns": ns})]
+        sections += [_type(conn, *row) for row in conn.execute(_TYPES, {"ns": ns}).fetchall()]
         sections += [_table(conn, *row) for row in conn.execute(_TABLES, {"ns": ns}).fetchall()]
         sections += [_view(conn, *row) for row in conn.execute(_VIEWS, {"ns": ns}).fetchall()]
         sections += [function for (function,) in conn.execute(_FUNCTIONS, {"ns": ns})]

@@ -31,6 +31,8 @@ UNIQUE_EXCEPTIONS = {
     " organization_id, never distributed",
     "helix_event_id_key_pkey": "one row, the key that signs event ids, for the whole deployment: a"
     " reference table on Citus (docs/scaling.md, 'Events')",
+    "helix_sessions_pkey": "session ids are global, as lock ids are: /v1/sessions/{id} names no"
+    " organization (docs/scaling.md, 'Lock ids')",
 }
 
 # Foreign keys between two tables with organization_id that leave it out: constraint name -> why.
@@ -55,6 +57,8 @@ FUNCTION_EXCEPTIONS = {
     " argument is the row (NEW, OLD), which carries organization_id",
     "helix_raise_held(helix_holds[],timestamp with time zone,integer)": "raises the acquire's conflict"
     " from the pair's holds, which its caller read by the organization and passes, each with it",
+    "helix_prune_sessions(interval,integer)": "retention of sessions, as of the history: every"
+    " organization's at once",
     "helix_announce_expiries(integer)": "the event reader's sweep of every organization's due expiries,"
     " as retention's; on Citus each node's reader runs it on its node (docs/scaling.md, 'Events')",
 }

@@ -96,6 +96,9 @@ async def test_every_outcome_is_counted(client: httpx.AsyncClient, conn: Conn) -
 BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/locks/{lock_id}/renew"): {"ttl_seconds": 30},
     ("PATCH", "/v1/locks/{lock_id}"): {"metadata": {"done": 1}},
+    ("POST", "/v1/sessions"): {"organization_id": "acme", "holder": "w1", "ttl_seconds": 30},
+    ("POST", "/v1/sessions/{session_id}/locks"): {"locks": [{"job_type": "in-a-session"}]},
+    ("POST", "/v1/sessions/{session_id}/renew"): {"ttl_seconds": 30},
 }
 
 
@@ -103,7 +106,8 @@ async def test_every_route_is_counted_under_its_path(client: httpx.AsyncClient) 
     """Each route of the API's document counts its requests under its path; the three lock
     operations count each answer in their own counter too, found by the route's method and path."""
     lock = (await client.post("/v1/locks", json=lock_body(job_type="routes"))).json()
-    sent: Counter[tuple[str, str]] = Counter({("POST", "/v1/locks"): 1})
+    session = (await client.post("/v1/sessions", json=BODIES["POST", "/v1/sessions"])).json()
+    sent: Counter[tuple[str, str]] = Counter({("POST", "/v1/locks"): 1, ("POST", "/v1/sessions"): 1})
     document = json.loads(openapi.document())["paths"]
     routes = [(method.upper(), path) for path, operations in document.items() for method in operations]
     assert set(telemetry.OPERATIONS) <= set(routes)
@@ -115,10 +119,11 @@ async def test_every_route_is_counted_under_its_path(client: httpx.AsyncClient) 
         # The event stream never ends by itself (and the in-process transport reads answers whole):
         # it is asked to resume from an id it refuses, and counted by that answer.
         stream = (method, path) == ("GET", "/v1/events")
+        token = session["token"] if "{session_id}" in path else lock["token"]
         response = await client.request(
             method,
-            path.replace("{lock_id}", str(lock["id"])),
-            headers={"Lock-Token": lock["token"]} | ({"Last-Event-ID": "made-up"} if stream else {}),
+            path.replace("{lock_id}", str(lock["id"])).replace("{session_id}", str(session["id"])),
+            headers={"Lock-Token": token} | ({"Last-Event-ID": "made-up"} if stream else {}),
             params={name: value for name, value in key.items() if name in declared},
             json=BODIES.get((method, path), lock_body(job_type="other") if method == "POST" else None),
         )

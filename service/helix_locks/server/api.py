@@ -30,8 +30,14 @@ from helix_locks.server.errors import (
     OrganizationWaitersFull,
     OrganizationWatchersFull,
     QuotaExceeded,
+    RenewTheSession,
     SchemaNotReady,
+    SessionEnded,
+    SessionFull,
+    SessionLapsed,
+    SessionNotFound,
     TokenMismatch,
+    TooManySessions,
     TooManyWaiters,
     TooManyWatchers,
     Unauthenticated,
@@ -44,15 +50,22 @@ from helix_locks.server.locks import Grant, Locks, State
 from helix_locks.server.outcome import Outcome, outcome
 from helix_locks.server.schemas import (
     AcquireRequest,
+    AddSessionLocksRequest,
     GrantBody,
     Identifier,
     LockBody,
+    OpenedSessionBody,
+    OpenSessionRequest,
     PageBody,
     RenewalBody,
     RenewRequest,
+    SessionBody,
+    SessionLockRequest,
+    SessionRenewalBody,
     UpdateRequest,
     ttl_ms,
 )
+from helix_locks.server.sessions import Sessions, Wanted
 from helix_locks.server.telemetry import Metrics
 from helix_locks.server.waiting import Waiters
 
@@ -65,6 +78,7 @@ class Services:
     """What the routes work with: made by the app's lifespan, handed to every request in its state."""
 
     locks: Locks
+    sessions: Sessions
     keys: KeyRing
     waiters: Waiters
     events: EventHub
@@ -467,10 +481,11 @@ HOLDER_PROBLEMS = problems.responses(
     operation_id="renewLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The lock with its new expires_at; lapsed says whether the lease had run out.",
-    responses=HOLDER_PROBLEMS,
+    responses={**HOLDER_PROBLEMS, **problems.responses(RenewTheSession)},
 )
 async def renew(request: Request, lock_id: LockIdPath, token: LockToken, body: RenewRequest) -> Response:
-    """Extend the lease to database-now + ttl_seconds; works on a lapsed lease nobody reclaimed."""
+    """Extend the lease to database-now + ttl_seconds; works on a lapsed lease nobody reclaimed. A
+    lock of a session is renewed with its session (409 renew-the-session)."""
     session = await authorized(request)
     answered = outcome(request.scope)
     id_ = known_lock_id(lock_id)
@@ -502,6 +517,178 @@ async def update(request: Request, lock_id: LockIdPath, token: LockToken, body: 
     answered.about(lock.organization_id, lock.job_type)
     answered.result = "updated"
     return json_body(LockBody.of(lock))
+
+
+SessionIdPath = Annotated[str, Path(description="The id POST /v1/sessions returned.")]
+SessionToken = Annotated[str, Header(alias="Lock-Token", description="The session's token.")]
+
+
+def known_session_id(session_id: str) -> int:
+    """As lock ids: anything that is not one of ours is simply not found."""
+    try:
+        found = known_lock_id(session_id)
+    except LockNotFound:
+        raise SessionNotFound() from None
+    logs.bind(session_id=found)
+    return found
+
+
+def _wanted(locks: list[SessionLockRequest]) -> Wanted:
+    return [(lock.job_type, lock.max_holders) for lock in locks]
+
+
+# What a session's grant may answer besides its own problems: the refusals of its pairs.
+SESSION_GRANT_PROBLEMS = (LockHeld, MaxHoldersMismatch, QuotaExceeded, SessionFull)
+
+
+@router.post(
+    "/sessions",
+    status_code=201,
+    response_model=OpenedSessionBody,
+    summary="Open a session",
+    operation_id="openSession",
+    openapi_extra=BEARER_REQUIRED,
+    response_description="The session, its token and its locks; Location names it.",
+    responses={
+        201: {"headers": {"Location": {"description": "/v1/sessions/{id}", "schema": {"type": "string"}}}},
+        **problems.responses(
+            Unauthenticated,
+            Forbidden,
+            *SESSION_GRANT_PROBLEMS,
+            TooManySessions,
+            UnsupportedMediaType,
+            InvalidRequest,
+            DatabaseUnavailable,
+        ),
+    },
+)
+async def open_session(
+    body: OpenSessionRequest,
+    request: Request,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            alias="Idempotency-Key",
+            pattern=IDEMPOTENCY_KEY_PATTERN,
+            description="Repeat an open with the same key while its session is open, and get the same"
+            " session, token and locks back (201): for retries after a lost answer.",
+        ),
+    ] = None,
+) -> Response:
+    """Open a session: one lease that many locks share. The locks named are granted all together
+    in one statement, each reclaiming an expired predecessor, or none is (409 naming the first job
+    type, in job type order, that could not be granted)."""
+    session = await authorized(request)
+    answered = outcome(request.scope)
+    answered.about(body.organization_id, None)
+    logs.bind(holder=body.holder)
+    caller = session.caller
+    opened = await services(request).sessions.open(
+        caller,
+        body.organization_id,
+        body.holder,
+        ttl_ms(body.ttl_seconds),
+        body.metadata,
+        None if idempotency_key is None else f"{caller.key_id or 'anonymous'}/{idempotency_key}",
+        _wanted(body.locks),
+    )
+    logs.bind(session_id=opened.id)
+    answered.result = "opened"
+    return json_body(OpenedSessionBody.of(opened), 201, {"Location": f"/v1/sessions/{opened.id}"})
+
+
+# What a session's holder's calls may answer.
+SESSION_HOLDER_PROBLEMS = (
+    Unauthenticated,
+    Forbidden,
+    TokenMismatch,
+    SessionNotFound,
+    SessionEnded,
+    InvalidRequest,
+    DatabaseUnavailable,
+)
+
+
+@router.post(
+    "/sessions/{session_id}/locks",
+    status_code=201,
+    response_model=SessionBody,
+    summary="Add locks to a session",
+    operation_id="addSessionLocks",
+    openapi_extra=BEARER_REQUIRED,
+    response_description="The session, with the locks this call added.",
+    responses=problems.responses(
+        *SESSION_HOLDER_PROBLEMS, *SESSION_GRANT_PROBLEMS, SessionLapsed, UnsupportedMediaType
+    ),
+)
+async def add_session_locks(
+    request: Request, session_id: SessionIdPath, token: SessionToken, body: AddSessionLocksRequest
+) -> Response:
+    """Grant more locks to an open session, all together or none, with the session's lease."""
+    session = await authorized(request)
+    id_ = known_session_id(session_id)
+    added = await services(request).sessions.add(session.caller, id_, token, _wanted(body.locks))
+    outcome(request.scope).result = "added"
+    return json_body(SessionBody.of(added), 201)
+
+
+@router.post(
+    "/sessions/{session_id}/renew",
+    response_model=SessionRenewalBody,
+    summary="Renew a session (one heartbeat for all its locks)",
+    operation_id="renewSession",
+    openapi_extra=BEARER_REQUIRED,
+    response_description="The session with its new expires_at, which each of its locks shares.",
+    responses=problems.responses(*SESSION_HOLDER_PROBLEMS, UnsupportedMediaType),
+)
+async def renew_session(
+    request: Request, session_id: SessionIdPath, token: SessionToken, body: RenewRequest
+) -> Response:
+    """Extend the lease of the session and of every lock of it to database-now + ttl_seconds, in
+    one statement; works on a lapsed session none of whose locks was reclaimed. One that lost a
+    lock ends instead, its other locks released: 410 session-ended, end_reason lost."""
+    session = await authorized(request)
+    id_ = known_session_id(session_id)
+    renewed = await services(request).sessions.renew(session.caller, id_, token, ttl_ms(body.ttl_seconds))
+    outcome(request.scope).result = "renewed"
+    logs.bind(lapsed=renewed.lapsed)
+    return json_body(SessionRenewalBody.of(renewed))
+
+
+@router.delete(
+    "/sessions/{session_id}",
+    status_code=204,
+    summary="End a session",
+    operation_id="endSession",
+    openapi_extra=BEARER_REQUIRED,
+    response_description="Ended, its locks released (also when its lease had run out and nobody had"
+    " reclaimed a lock of it).",
+    responses=problems.responses(*SESSION_HOLDER_PROBLEMS),
+)
+async def end_session(request: Request, session_id: SessionIdPath, token: SessionToken) -> Response:
+    """Release every lock of the session and end it, in one statement; 410 when it had ended, or
+    had lost a lock (its other locks are released all the same)."""
+    session = await authorized(request)
+    id_ = known_session_id(session_id)
+    await services(request).sessions.close(session.caller, id_, token)
+    outcome(request.scope).result = "ended"
+    return Response(status_code=204)
+
+
+@router.get(
+    "/sessions/{session_id}",
+    response_model=SessionBody,
+    summary="Get a session",
+    operation_id="getSession",
+    openapi_extra=BEARER_REQUIRED,
+    response_description="The session and its unreleased locks.",
+    responses=problems.responses(Unauthenticated, Forbidden, SessionNotFound, DatabaseUnavailable),
+)
+async def get_session(request: Request, session_id: SessionIdPath) -> Response:
+    """A session, in any state, with its unreleased locks."""
+    session = await authorized(request)
+    found = await services(request).sessions.get(session.caller, known_session_id(session_id))
+    return json_body(SessionBody.of(found))
 
 
 EventId = Annotated[

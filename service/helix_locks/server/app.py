@@ -41,6 +41,7 @@ from helix_locks.server.keys import KeyRing
 from helix_locks.server.listener import Listener
 from helix_locks.server.locks import LiveLockQuota, Locks
 from helix_locks.server.retention import Pruner
+from helix_locks.server.sessions import Sessions
 from helix_locks.server.settings import Settings
 from helix_locks.server.waiting import Waiters
 
@@ -245,8 +246,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             stack.callback(events.close)
             stack.callback(_answer_on_stop(waiters.close, events.close))
+            quota = LiveLockQuota(db, settings.max_live_locks_per_organization)
             services = api.Services(
-                locks=Locks(db, LiveLockQuota(db, settings.max_live_locks_per_organization)),
+                locks=Locks(db, quota),
+                sessions=Sessions(
+                    db, quota, settings.max_sessions_per_organization, settings.max_locks_per_session
+                ),
                 keys=keys,
                 waiters=waiters,
                 events=events,

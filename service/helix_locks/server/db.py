@@ -26,8 +26,14 @@ from helix_locks.server.errors import (
     LockNotFound,
     MaxHoldersMismatch,
     QuotaExceeded,
+    RenewTheSession,
+    SessionEnded,
+    SessionFull,
+    SessionLapsed,
+    SessionNotFound,
     ShareEnded,
     TokenMismatch,
+    TooManySessions,
 )
 from helix_locks.server.settings import Settings
 
@@ -51,7 +57,7 @@ def _lock_held(exc: psycopg.Error) -> LockError:
     """A full pair, or (migration 0017) held locks of another max_holders."""
     detail = _detail(exc)
     if detail.get("max_holders_in_force") is not None:
-        return MaxHoldersMismatch(int(detail["max_holders_in_force"]))
+        return MaxHoldersMismatch(int(detail["max_holders_in_force"]), detail.get("job_type"))
     holders = [
         Holder(h["lock_id"], h["holder"], h["slot"], datetime.fromisoformat(h["expires_at"]))
         for h in detail.get("holders") or ()
@@ -65,6 +71,7 @@ def _lock_held(exc: psycopg.Error) -> LockError:
         max_holders=int(detail.get("max_holders") or 1),
         # Listed only in part since 0021; before it, every holder was listed.
         holders_total=int(detail.get("holders_total") or len(holders)),
+        job_type=detail.get("job_type"),
     )
 
 
@@ -80,6 +87,19 @@ def _lock_ended(exc: psycopg.Error) -> LockError:
         detail.get("organization_id"),
         detail.get("job_type"),
     )
+
+
+def _session_ended(exc: psycopg.Error) -> LockError:
+    detail = _detail(exc)
+    ended_at = _time(detail.get("ended_at"))
+    assert ended_at is not None, "HL007 always carries ended_at"
+    return SessionEnded(detail["session_id"], detail["end_reason"], ended_at)
+
+
+def _session_lapsed(exc: psycopg.Error) -> LockError:
+    expires_at = _time(_detail(exc).get("expires_at"))
+    assert expires_at is not None, "HL010 always carries expires_at"
+    return SessionLapsed(expires_at)
 
 
 def _token_mismatch(exc: psycopg.Error) -> LockError:
@@ -106,6 +126,13 @@ SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "HL003": _lock_ended,
     "HL004": lambda exc: QuotaExceeded(int(exc.diag.message_detail or 0)),
     "HL005": lambda exc: ShareEnded(),
+    # Sessions (migration 0027).
+    "HL006": lambda exc: RenewTheSession(int(_detail(exc)["session_id"])),
+    "HL007": _session_ended,
+    "HL008": lambda exc: SessionFull(int(exc.diag.message_detail or 0)),
+    "HL009": lambda exc: TooManySessions(int(exc.diag.message_detail or 0)),
+    "HL010": _session_lapsed,
+    "HL011": lambda exc: SessionNotFound(),
     # A primary that just became a standby (failover): it will not take writes, try again.
     "25006": lambda exc: DatabaseUnavailable("read-only transaction"),
     # Prepared statements lost or doubled: DATABASE_URL goes through a transaction pooler, but no

@@ -38,6 +38,8 @@ class LockHeld(LockError):
     holders: list[Holder] = field(default_factory=list)
     max_holders: int = 1
     holders_total: int = 0
+    # Of a session's locks, the pair that could not be granted.
+    job_type: str | None = None
 
 
 @dataclass
@@ -45,6 +47,7 @@ class MaxHoldersMismatch(LockError):
     """The key's held locks share another max_holders than the acquire named."""
 
     max_holders: int
+    job_type: str | None = None  # of a session's locks, the pair
 
 
 @dataclass
@@ -71,6 +74,49 @@ class LockEnded(LockError):
     forced_by: str | None = None
     organization_id: str | None = None
     job_type: str | None = None
+
+
+@dataclass
+class SessionNotFound(LockError):
+    """No session with this id exists (for this caller)."""
+
+
+@dataclass
+class RenewTheSession(LockError):
+    """The lock belongs to a session, which is renewed as a whole."""
+
+    session_id: int
+
+
+@dataclass
+class SessionEnded(LockError):
+    """The session ended earlier: its holder ended it, or it lost a lock (reclaimed or forced)
+    and a call that found out released the rest."""
+
+    session_id: int
+    end_reason: str
+    ended_at: datetime
+
+
+@dataclass
+class SessionLapsed(LockError):
+    """The session's lease has run out: renew it before adding locks to it."""
+
+    expires_at: datetime
+
+
+@dataclass
+class TooManySessions(LockError):
+    """The organization already has as many open sessions as it may have."""
+
+    limit: int
+
+
+@dataclass
+class SessionFull(LockError):
+    """The session would hold more locks than one may hold."""
+
+    limit: int
 
 
 @dataclass

@@ -56,6 +56,9 @@ class Lock:
     # The admin key that forced the release; None unless release_reason is 'forced'. Read by the
     # statements that can meet a forced lock (one lock, the history, events), absent elsewhere.
     forced_by: str | None = None
+    # The session the lock belongs to (migration 0027); None for a lock on its own. Read by the
+    # statements that can meet a lock of a session.
+    session_id: int | None = None
 
     @classmethod
     def from_row(cls, row: DictRow) -> Lock:

@@ -34,9 +34,15 @@ from helix_locks.server.errors import (
     OrganizationWaitersFull,
     OrganizationWatchersFull,
     QuotaExceeded,
+    RenewTheSession,
     SchemaNotReady,
+    SessionEnded,
+    SessionFull,
+    SessionLapsed,
+    SessionNotFound,
     ShuttingDown,
     TokenMismatch,
+    TooManySessions,
     TooManyWaiters,
     TooManyWatchers,
     Unauthenticated,
@@ -123,6 +129,11 @@ def _ended(exc: LockEnded) -> str:
     return f"The lock {how}; its holder no longer owns it."
 
 
+def _pair(job_type: str | None) -> dict[str, str]:
+    """A session's refusal names the pair that could not be granted; an acquire's does not."""
+    return {} if job_type is None else {"job_type": job_type}
+
+
 KINDS: Mapping[type[LockError], Kind] = {
     InvalidRequest: Kind(
         422,
@@ -199,6 +210,7 @@ KINDS: Mapping[type[LockError], Kind] = {
                 for h in exc.holders
             ],
             "holders_total": exc.holders_total,
+            **_pair(exc.job_type),
         },
     ),
     MaxHoldersMismatch: Kind(
@@ -212,7 +224,7 @@ KINDS: Mapping[type[LockError], Kind] = {
             f"The locks held for this organization and job type allow {exc.max_holders} holders at once;"
             " acquire with that max_holders, or once none is held."
         ),
-        fields=lambda exc: {"max_holders": exc.max_holders},
+        fields=lambda exc: {"max_holders": exc.max_holders, **_pair(exc.job_type)},
     ),
     LockEnded: Kind(
         410,
@@ -227,6 +239,70 @@ KINDS: Mapping[type[LockError], Kind] = {
             "released_at": exc.released_at,
             "forced_by": exc.forced_by,
         },
+    ),
+    SessionNotFound: Kind(
+        404,
+        "session-not-found",
+        "Session not found",
+        "No such session for this caller.",
+        SessionNotFound(),
+        "No such session.",
+    ),
+    RenewTheSession: Kind(
+        409,
+        "renew-the-session",
+        "Renew the session",
+        "The lock belongs to a session, whose locks share its lease: renew the session"
+        " (POST /v1/sessions/{session_id}/renew), not the lock.",
+        RenewTheSession(1),
+        lambda exc: f"This lock shares the lease of session {exc.session_id}: renew the session.",
+        fields=lambda exc: {"session_id": exc.session_id},
+    ),
+    SessionLapsed: Kind(
+        409,
+        "session-lapsed",
+        "Session lapsed",
+        "The session's lease has run out: renew it before adding locks to it.",
+        SessionLapsed(_EXPIRES),
+        "The session's lease has run out; renew it first.",
+        fields=lambda exc: {"expires_at": exc.expires_at},
+    ),
+    SessionFull: Kind(
+        409,
+        "session-full",
+        "Session full",
+        "The session would hold more locks than one may hold (HELIX_LOCKS_MAX_LOCKS_PER_SESSION).",
+        SessionFull(1000),
+        lambda exc: f"A session may hold at most {exc.limit} locks.",
+        fields=lambda exc: {"max_locks": exc.limit},
+    ),
+    SessionEnded: Kind(
+        410,
+        "session-ended",
+        "Session ended",
+        "The session had ended: its holder ended it, or it lost a lock (reclaimed after its lease ran"
+        " out, or forced) and the rest of its locks were released. Its holder no longer owns any of them.",
+        SessionEnded(1, "lost", _ENDED),
+        lambda exc: (
+            "The session lost a lock, and its other locks were released; its holder owns none of them."
+            if exc.end_reason == "lost"
+            else "The session had ended."
+        ),
+        fields=lambda exc: {
+            "session_id": exc.session_id,
+            "end_reason": exc.end_reason,
+            "ended_at": exc.ended_at,
+        },
+    ),
+    TooManySessions: Kind(
+        429,
+        "too-many-sessions",
+        "Too many sessions",
+        "This organization already has as many open sessions (not ended, lease not run out) as one may"
+        " have (HELIX_LOCKS_MAX_SESSIONS_PER_ORGANIZATION).",
+        TooManySessions(1000),
+        lambda exc: f"This organization already has {exc.limit} open sessions; end some first.",
+        headers=_SOON,
     ),
     BodyTooLarge: Kind(
         413,

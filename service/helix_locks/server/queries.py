@@ -82,16 +82,56 @@ RELEASE_UNCLAIMED = "SELECT helix_release_unclaimed(%(lock_id)s, %(token)s, %(sc
 RENEW = "SELECT " + LOCK + ", lapsed FROM helix_renew_job_lock(%(lock_id)s, %(token)s, %(ttl_ms)s, %(scope)s)"
 
 # PATCH: the holder replaces the metadata; the lease is unchanged (migration 0015).
-UPDATE = "SELECT " + LOCK + " FROM helix_update_job_lock(%(lock_id)s, %(token)s, %(metadata)s, %(scope)s)"
+UPDATE = (
+    "SELECT "
+    + LOCK
+    + """, (SELECT h.session_id FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS session_id
+FROM helix_update_job_lock(%(lock_id)s, %(token)s, %(metadata)s, %(scope)s)"""
+)
 
 GET = (
     "SELECT "
     + LOCK
-    + """, (SELECT k.forced_by FROM helix_lock_history AS k WHERE k.id = %(lock_id)s) AS forced_by
+    + """, (SELECT k.forced_by FROM helix_lock_history AS k WHERE k.id = %(lock_id)s) AS forced_by,
+       coalesce((SELECT h.session_id FROM helix_holds AS h WHERE h.id = %(lock_id)s),
+                (SELECT k.session_id FROM helix_lock_history AS k WHERE k.id = %(lock_id)s)) AS session_id
 FROM helix_job_lock_views
 WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope)s)
 """
 )
+
+# Sessions (migration 0027): each call answers helix_session_answer rows, the session and one of
+# its unreleased locks each (one row with NULL lock columns when it has none).
+_SESSION = (
+    """session_id, session_token, session_organization_id, session_holder, session_expires_at,
+session_ttl_remaining_ms, session_state, session_ended_at, session_end_reason, lapsed, replayed, """
+    + LOCK
+)
+OPEN_SESSION = (
+    "SELECT "
+    + _SESSION
+    + """ FROM helix_open_session(
+    %(organization_id)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(job_types)s,
+    %(max_holders)s, %(quota)s, %(sessions_limit)s, %(locks_limit)s
+)"""
+)
+ADD_SESSION_LOCKS = (
+    "SELECT "
+    + _SESSION
+    + """ FROM helix_add_session_locks(
+    %(session_id)s, %(token)s, %(scope)s, %(job_types)s, %(max_holders)s, %(quota)s, %(locks_limit)s
+)"""
+)
+RENEW_SESSION = (
+    "SELECT " + _SESSION + " FROM helix_renew_session(%(session_id)s, %(token)s, %(ttl_ms)s, %(scope)s)"
+)
+CLOSE_SESSION = (
+    "SELECT organization_id, end_reason, ended_at"
+    " FROM helix_close_session(%(session_id)s, %(token)s, %(scope)s)"
+)
+# GET /v1/sessions/{id}: no token, and none in the answer.
+GET_SESSION = "SELECT " + _SESSION + """ FROM helix_session_answer(%(session_id)s, %(scope)s, false, false)"""
+PRUNE_SESSIONS = "SELECT helix_prune_sessions(%(older_than)s, %(batch)s) AS deleted"
 
 # A waiting acquire's registration (migration 0008): releases of the key are announced while it
 # lasts, and only then.
@@ -126,7 +166,8 @@ REMAINING = "SELECT ttl_remaining_ms FROM helix_held_locks WHERE id = %(lock_id)
 CURRENT = (
     "SELECT "
     + LOCK
-    + """ FROM helix_held_locks
+    + """, (SELECT h.session_id FROM helix_holds AS h WHERE h.id = v.id) AS session_id
+FROM helix_held_locks AS v
 WHERE organization_id = %(organization_id)s
   AND job_type = %(job_type)s
   AND state = 'held'
@@ -198,7 +239,7 @@ SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquire
        NULL::timestamptz AS released_at, NULL::text AS release_reason, s.state,
        greatest(0, floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000))::bigint
            AS ttl_remaining_ms,
-       l.metadata, l.max_holders, l.slot
+       l.metadata, l.max_holders, l.slot, l.session_id
 FROM helix_holds AS l
 CROSS JOIN LATERAL (
     SELECT CASE WHEN l.expires_at <= clock_timestamp() THEN 'expired' ELSE 'held' END AS state
@@ -242,7 +283,7 @@ _HISTORY = """
 SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquired_at, l.expires_at,
        l.released_at, l.release_reason,
        CASE WHEN l.release_reason = 'reclaimed' THEN 'reclaimed' ELSE 'released' END AS state,
-       0::bigint AS ttl_remaining_ms, l.metadata, l.max_holders, l.slot, l.forced_by
+       0::bigint AS ttl_remaining_ms, l.metadata, l.max_holders, l.slot, l.forced_by, l.session_id
 FROM helix_lock_history AS l
 WHERE (l.release_reason IS DISTINCT FROM 'reclaimed') = (%(state)s::text = 'released')
   AND (l.released_at, l.id) < (coalesce(%(after_released_at)s::timestamptz, 'infinity'),
@@ -347,7 +388,9 @@ ANNOUNCE_EXPIRIES = "SELECT helix_announce_expiries(%(limit)s) AS announced"
 _EVENT_LOCK = """v.id, v.organization_id, v.job_type, v.holder, v.fencing_token, v.acquired_at,
        v.expires_at, v.released_at, v.release_reason, v.state, v.ttl_remaining_ms, v.metadata,
        v.max_holders, v.slot, CASE WHEN v.release_reason = 'forced' THEN k.forced_by END AS forced_by,
-       k.reclaimed_lock_id, k.reclaimed_holder, k.reclaimed_expired_at"""
+       k.reclaimed_lock_id, k.reclaimed_holder, k.reclaimed_expired_at,
+       coalesce((SELECT h.session_id FROM helix_holds AS h WHERE h.id = v.id),
+                (SELECT e.session_id FROM helix_lock_history AS e WHERE e.id = v.id)) AS session_id"""
 
 # The reader's poll: its own window from the snapshot it read last to this statement's, and a
 # window for each resumed watcher from where its catch-up ended (its bridge); one statement, so

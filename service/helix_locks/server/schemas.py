@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import math
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from helix_locks.server.errors import HOLDERS_LISTED
 from helix_locks.server.locks import Grant, Lock, Reclaimed, Renewal, State, storable_text
+from helix_locks.server.sessions import Session
 
 # Metadata as stored (stored_bytes), which is what every answer carries back; migration 0021
 # holds the database to the same bound.
@@ -197,6 +198,7 @@ _RELEASED_LOCK: dict[str, Any] = {
     "max_holders": 1,
     "slot": 0,
     "forced_by": None,
+    "session_id": None,
 }
 
 
@@ -312,6 +314,12 @@ class LockBody(BaseModel):
         default=None,
         description="The id of the admin API key that released the lock by force; null unless"
         " release_reason is forced.",
+        examples=[None],
+    )
+    session_id: int | None = Field(
+        default=None,
+        description="The session the lock belongs to, whose token and lease it shares (renewed with"
+        " the session, never alone); null for a lock on its own.",
         examples=[None],
     )
 
@@ -530,4 +538,144 @@ class Problem(BaseModel):
         default=None,
         description="410 only: the id of the admin API key that broke the lock by force, else null.",
         examples=["3f9a0c1b2d4e"],
+    )
+    job_type: str | None = Field(
+        default=None,
+        description="409 to a session's call only: the job type of the first lock, in job type order,"
+        " that could not be granted (none of the call's locks was).",
+        examples=["nightly-report"],
+    )
+    session_id: int | None = Field(
+        default=None,
+        description="409 renew-the-session and 410 session-ended: the session concerned.",
+        examples=[1],
+    )
+    end_reason: str | None = Field(
+        default=None,
+        description="410 session-ended only: released (by its holder) or lost (a lock of it was"
+        " reclaimed or forced, and the rest were released).",
+        examples=["lost"],
+    )
+    ended_at: datetime | None = Field(
+        default=None, description="410 session-ended only: when the session ended.", examples=[_RECLAIMED_AT]
+    )
+    max_locks: int | None = Field(
+        default=None, description="409 session-full only: how many locks a session may hold.", examples=[1000]
+    )
+
+
+# Sessions (POST /v1/sessions and below): one lease that many locks share.
+SESSION_LOCKS_PER_CALL = 32
+
+
+class SessionLockRequest(BaseModel):
+    """One lock a session asks for: its job type (in the session's organization)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_type: Annotated[
+        Identifier,
+        Field(description="The kind of job, as for an acquire.", examples=["partition-7"]),
+    ]
+    max_holders: MaxHolders = 1
+
+
+def _distinct_job_types(locks: list[SessionLockRequest]) -> list[SessionLockRequest]:
+    if len({lock.job_type for lock in locks}) != len(locks):
+        raise ValueError("each job type may be named once")
+    return locks
+
+
+SessionLocks = Annotated[
+    list[SessionLockRequest],
+    Field(
+        max_length=SESSION_LOCKS_PER_CALL,
+        description=f"0 to {SESSION_LOCKS_PER_CALL} locks of distinct job types, granted all together in"
+        " one statement or none of them.",
+    ),
+    AfterValidator(_distinct_job_types),
+]
+
+
+class OpenSessionRequest(BaseModel):
+    """Open a session: a lease that many locks share, with the locks named granted all or none."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "organization_id": "acme",
+                    "holder": "worker-7@host-3",
+                    "ttl_seconds": 30,
+                    "locks": [{"job_type": "partition-1"}, {"job_type": "partition-2"}],
+                }
+            ]
+        },
+    )
+
+    organization_id: Annotated[
+        Identifier,
+        Field(description="The organization of the session and all its locks.", examples=["acme"]),
+    ]
+    holder: Holder
+    ttl_seconds: TtlSeconds
+    metadata: Metadata = None
+    locks: SessionLocks = Field(default_factory=list)
+
+
+class AddSessionLocksRequest(BaseModel):
+    """Add locks to an open session, all or none, with the session's lease."""
+
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [{"locks": [{"job_type": "partition-3"}]}]}
+    )
+
+    locks: SessionLocks
+
+
+class SessionBody(BaseModel):
+    """A session and its unreleased locks (in job type order)."""
+
+    id: int = Field(description="The session's id; opaque to clients, use it as given.", examples=[1])
+    organization_id: str = Field(description="The organization of the session.", examples=["acme"])
+    holder: str = Field(description="Who holds it, and each of its locks.", examples=["worker-7@host-3"])
+    expires_at: datetime = Field(
+        description="When the lease of the session, and of each of its locks, runs out unless renewed.",
+        examples=[_EXPIRES],
+    )
+    ttl_remaining_ms: int = Field(
+        description="Milliseconds of lease left at answer time, by the database clock; 0 once it ran out.",
+        examples=[29998],
+    )
+    state: Literal["held", "expired", "ended"] = Field(
+        description="held: its lease runs; expired: it ran out (its locks may be reclaimed); ended.",
+        examples=["held"],
+    )
+    locks: list[LockBody] = Field(description="Its unreleased locks, in job type order.")
+
+    @classmethod
+    def of(cls, session: Session) -> Self:
+        return cls.model_validate(
+            {**vars(session), "locks": [LockBody.of(lock) for lock in session.locks]}, from_attributes=True
+        )
+
+
+class OpenedSessionBody(SessionBody):
+    """An opened session, with the secret token that proves ownership of it and of its locks."""
+
+    token: str = Field(
+        description="The secret of the session and of each of its locks; shown only here. Send it as"
+        " the Lock-Token header to renew or end the session, and to release or update one of its locks.",
+        examples=["d060e87f866045a4bfda05db1917e1c5"],
+    )
+
+
+class SessionRenewalBody(SessionBody):
+    """A renewed session: every lock of it now expires with it."""
+
+    lapsed: bool = Field(
+        description="Whether the session's lease had run out before this renewal (nobody had reclaimed"
+        " a lock of it).",
+        examples=[False],
     )

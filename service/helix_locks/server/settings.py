@@ -66,6 +66,10 @@ class Settings(BaseSettings):
     # Live locks (held, or lapsed and not yet reclaimed) of one organization; beyond it, 429
     # (locks.py, LiveLockQuota: shares of the room far from it, one at a time near it; never past).
     max_live_locks_per_organization: int = Field(default=10_000, ge=1)
+    # Sessions (POST /v1/sessions) open at once in one organization (ended or lapsed ones do not
+    # count), and locks one session may hold; beyond either, 429 / 409.
+    max_sessions_per_organization: int = Field(default=1_000, ge=1)
+    max_locks_per_session: int = Field(default=1_000, ge=1)
 
     @property
     def through_pooler(self) -> bool:
