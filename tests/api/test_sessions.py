@@ -3,8 +3,10 @@ none, the session's renewal and end, its lapse and loss, replays, limits and ten
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -370,3 +372,69 @@ def test_two_calls_wanting_overlapping_pairs_in_opposite_orders_never_deadlock(d
         second.rollback()
         held = second.execute("SELECT job_type, holder FROM helix_holds ORDER BY job_type").fetchall()
         assert held == [("a", "w1"), ("b", "w1")]
+
+
+async def test_a_waiting_session_holds_none_of_its_set_and_is_granted_once_all_are_free(
+    client: httpx.AsyncClient, conn: Conn
+) -> None:
+    """wait_seconds: while b is held the session waits holding nothing (a stays free for others);
+    it is woken by the releases, not by a timer (the leases run 60 s), and granted both at once."""
+    held_b = await acquire(client, job_type="b", ttl_seconds=60)
+    waiting = asyncio.create_task(
+        client.post("/v1/sessions", json=session_body("a", "b", wait_seconds=20, holder="w2"))
+    )
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    held_a = await acquire(client, job_type="a", ttl_seconds=60)  # a was not held by the waiter
+    await client.delete(f"/v1/locks/{held_b['id']}", headers={"Lock-Token": held_b["token"]})
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # b is free, a is not: still nothing granted
+    assert conn.execute("SELECT count(*) FROM helix_holds WHERE holder = 'w2'").fetchone() == (0,)
+    await client.delete(f"/v1/locks/{held_a['id']}", headers={"Lock-Token": held_a["token"]})
+    response = await asyncio.wait_for(waiting, 10)
+    assert response.status_code == 201, response.text
+    opened = response.json()
+    assert [lock["job_type"] for lock in opened["locks"]] == ["a", "b"]
+    # Each grant came after its predecessor's end, by the database's clock.
+    ends = dict(
+        conn.execute(
+            "SELECT job_type, released_at FROM helix_lock_history WHERE id = ANY(%s)",
+            ([held_a["id"], held_b["id"]],),
+        ).fetchall()
+    )
+    for lock in opened["locks"]:
+        assert datetime.fromisoformat(lock["acquired_at"]) >= ends[lock["job_type"]]
+
+
+async def test_a_sessions_wait_runs_out_with_the_409_of_the_pair_still_held(
+    client: httpx.AsyncClient,
+) -> None:
+    held = await acquire(client, job_type="b", ttl_seconds=60)
+    response = await client.post("/v1/sessions", json=session_body("a", "b", wait_seconds=0.5))
+    problem = assert_problem(response, 409)
+    assert problem["job_type"] == "b" and problem["lock_id"] == held["id"]
+
+
+async def test_sessions_waiting_for_overlapping_sets_in_opposite_orders_are_granted_one_after_the_other(
+    client: httpx.AsyncClient,
+) -> None:
+    first = await open_session(client, "a", "b", ttl_seconds=60)
+    one = asyncio.create_task(
+        client.post("/v1/sessions", json=session_body("b", "a", holder="w2", ttl_seconds=60, wait_seconds=20))
+    )
+    two = asyncio.create_task(
+        client.post("/v1/sessions", json=session_body("a", "b", holder="w3", ttl_seconds=60, wait_seconds=20))
+    )
+    await asyncio.sleep(0.3)
+    assert not one.done() and not two.done()
+    assert (
+        await client.delete(f"/v1/sessions/{first['id']}", headers={"Lock-Token": first["token"]})
+    ).status_code == 204
+    done, pending = await asyncio.wait({one, two}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1 and len(pending) == 1
+    winner = done.pop().result().json()
+    assert (
+        await client.delete(f"/v1/sessions/{winner['id']}", headers={"Lock-Token": winner["token"]})
+    ).status_code == 204
+    other = await asyncio.wait_for(pending.pop(), 10)
+    assert other.status_code == 201 and len(other.json()["locks"]) == 2

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Annotated, Any, Literal, TypedDict, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
@@ -65,11 +66,12 @@ from helix_locks.server.schemas import (
     UpdateRequest,
     ttl_ms,
 )
-from helix_locks.server.sessions import Sessions, Wanted
+from helix_locks.server.sessions import Session, Sessions, Wanted
 from helix_locks.server.telemetry import Metrics
 from helix_locks.server.waiting import Waiters
 
 BIGINT_MAX = 2**63 - 1
+T = TypeVar("T")
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
 
 
@@ -104,7 +106,7 @@ def services(request: Request) -> Services:
 
 
 @dataclass(frozen=True)
-class Session:
+class Authorized:
     """An authenticated request: who is asking, and this process's lock operations."""
 
     caller: Caller
@@ -121,14 +123,14 @@ SECURITY_SCHEMES = {
 }
 
 
-async def authorized(request: Request) -> Session:
+async def authorized(request: Request) -> Authorized:
     """The caller the request's API key names (Unauthenticated if none), and the lock operations."""
     found = services(request)
     caller = await found.keys.authenticate(request.headers.get("authorization"))
     if caller is ANONYMOUS:
         _from_this_machine(request, found.anonymous_any_host)
     logs.bind(key_id=caller.key_id)
-    return Session(caller, found.locks)
+    return Authorized(caller, found.locks)
 
 
 def _from_this_machine(request: Request, any_host: bool) -> None:
@@ -300,12 +302,6 @@ async def _wait_for(
     caller: Caller,
 ) -> Grant:
     """Acquire, waiting up to wait_seconds; a client that leaves is dropped, any grant it got released."""
-    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        gone.set_result(None)
 
     async def release(grant: Grant) -> None:
         # Unless the client's retry (same Idempotency-Key, maybe through another replica) was
@@ -313,19 +309,11 @@ async def _wait_for(
         await locks.release_unclaimed(caller, grant.lock.id, grant.token)
 
     found = services(request)
-    authorization = request.headers.get("authorization")
-
-    async def attempt_if_still_allowed() -> Grant:
-        # A key revoked while its request waits is refused before the next attempt, not granted.
-        await found.keys.authenticate(authorization)
-        return await attempt()
-
-    watcher = asyncio.create_task(watch())
-    try:
+    async with _client_gone(request) as gone:
         return await found.waiters.acquire(
             (body.organization_id, body.job_type),
             body.wait_seconds,
-            attempt_if_still_allowed,
+            _still_allowed(request, attempt),
             locks.remaining_ms,
             release,
             gone,
@@ -334,8 +322,35 @@ async def _wait_for(
             lambda: locks.announcing(body.organization_id, body.job_type, body.wait_seconds + 60),
             body.max_holders,
         )
+
+
+@asynccontextmanager
+async def _client_gone(request: Request) -> AsyncIterator[asyncio.Future[None]]:
+    """A future done once the client of this (waiting) request has gone away."""
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone.set_result(None)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield gone
     finally:
         watcher.cancel()
+
+
+def _still_allowed(request: Request, attempt: Callable[[], Awaitable[T]]) -> Callable[[], Awaitable[T]]:
+    """attempt, each time after checking the request's key again: a key revoked while its request
+    waits is refused before the next attempt, not granted."""
+    keys, authorization = services(request).keys, request.headers.get("authorization")
+
+    async def attempt_if_still_allowed() -> T:
+        await keys.authenticate(authorization)
+        return await attempt()
+
+    return attempt_if_still_allowed
 
 
 @router.get(
@@ -582,16 +597,31 @@ async def open_session(
     answered = outcome(request.scope)
     answered.about(body.organization_id, None)
     logs.bind(holder=body.holder)
-    caller = session.caller
-    opened = await services(request).sessions.open(
-        caller,
-        body.organization_id,
-        body.holder,
-        ttl_ms(body.ttl_seconds),
-        body.metadata,
-        None if idempotency_key is None else f"{caller.key_id or 'anonymous'}/{idempotency_key}",
-        _wanted(body.locks),
-    )
+    caller, sessions = session.caller, services(request).sessions
+    key = None if idempotency_key is None else f"{caller.key_id or 'anonymous'}/{idempotency_key}"
+
+    async def attempt() -> Session:
+        return await sessions.open(
+            caller,
+            body.organization_id,
+            body.holder,
+            ttl_ms(body.ttl_seconds),
+            body.metadata,
+            key,
+            _wanted(body.locks),
+        )
+
+    async def release(opened: Session) -> None:
+        # Unless a retry with its Idempotency-Key may come for it: then it lapses, unclaimed.
+        if key is None:
+            with contextlib.suppress(SessionEnded):
+                await sessions.close(caller, opened.id, opened.token)
+
+    if body.wait_seconds > 0 and body.locks:
+        caller.may_act_in(body.organization_id)
+        opened = await _wait_for_set(request, body.organization_id, body.wait_seconds, attempt, release)
+    else:
+        opened = await attempt()
     logs.bind(session_id=opened.id)
     answered.result = "opened"
     return json_body(OpenedSessionBody.of(opened), 201, {"Location": f"/v1/sessions/{opened.id}"})
@@ -627,9 +657,46 @@ async def add_session_locks(
     """Grant more locks to an open session, all together or none, with the session's lease."""
     session = await authorized(request)
     id_ = known_session_id(session_id)
-    added = await services(request).sessions.add(session.caller, id_, token, _wanted(body.locks))
+    caller, found = session.caller, services(request)
+
+    async def attempt() -> Session:
+        return await found.sessions.add(caller, id_, token, _wanted(body.locks))
+
+    async def release(added: Session) -> None:
+        for lock in added.locks:  # the client left: the locks it will never hear of go back
+            with contextlib.suppress(LockEnded):
+                await found.locks.release(caller, lock.id, token)
+
+    if body.wait_seconds > 0 and body.locks:
+        # The session's organization, which the refusal's wait announces ends in.
+        organization_id = (await found.sessions.get(caller, id_)).organization_id
+        added = await _wait_for_set(request, organization_id, body.wait_seconds, attempt, release)
+    else:
+        added = await attempt()
     outcome(request.scope).result = "added"
     return json_body(SessionBody.of(added), 201)
+
+
+async def _wait_for_set(
+    request: Request,
+    organization_id: str,
+    wait_seconds: float,
+    attempt: Callable[[], Awaitable[Session]],
+    release: Callable[[Session], Awaitable[None]],
+) -> Session:
+    """A session's locks, waiting up to wait_seconds until all of them can be granted at once;
+    none is held meanwhile. A grant whose client left is released."""
+    found = services(request)
+    async with _client_gone(request) as gone:
+        return await found.waiters.acquire_all(
+            organization_id,
+            wait_seconds,
+            _still_allowed(request, attempt),
+            found.locks.remaining_ms,
+            release,
+            gone,
+            lambda job_type: found.locks.announcing(organization_id, job_type, wait_seconds + 60),
+        )
 
 
 @router.post(

@@ -622,6 +622,13 @@ class OpenSessionRequest(BaseModel):
     ttl_seconds: TtlSeconds
     metadata: Metadata = None
     locks: SessionLocks = Field(default_factory=list)
+    wait_seconds: Annotated[
+        WaitSeconds,
+        Field(
+            description="Wait up to this many seconds until all the locks can be granted at once"
+            " (none is held meanwhile); 409 when the wait runs out."
+        ),
+    ] = 0
 
 
 class AddSessionLocksRequest(BaseModel):
@@ -632,6 +639,10 @@ class AddSessionLocksRequest(BaseModel):
     )
 
     locks: SessionLocks
+    wait_seconds: Annotated[
+        WaitSeconds,
+        Field(description="Wait up to this many seconds until all the locks can be granted at once."),
+    ] = 0
 
 
 class SessionBody(BaseModel):

@@ -7,6 +7,11 @@ Nothing polls the database while waiting. Within one process the waiters of a ke
 arrival order: only the first of them waits for the lock; the others wait for it (an asyncio
 lock, which is fair). Across replicas the order is best effort: whoever retries first wins.
 
+A session's call that waits for a set of keys (sessions.py) is granted all of them at once or
+none: it holds none while it waits, and sleeps until a key that refused it ends (NOTIFY) or the
+lease that refused it runs out, then tries the whole set again. It waits beside the queues of
+single keys, not in them: a set has no turn of its own.
+
 Releases announced while the listener was disconnected are lost. After it reconnects, one
 statement on its connection finds the keys whose lock is no longer the one their first waiter
 sleeps on (of a semaphore: or that has fewer unreleased locks than the holders that refused it),
@@ -23,7 +28,7 @@ import random
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -39,6 +44,7 @@ from helix_locks.server.locks import Grant
 
 logger = logging.getLogger("helix_locks")
 Key = tuple[str, str]
+T = TypeVar("T")
 # A timer at the holder's expiry fires this much later, so that the lease has surely run out.
 EXPIRY_SLACK_SECONDS = 0.002
 # After a reconnect, the heads woken try again at about this rate (10 keys: within 10 ms).
@@ -69,17 +75,24 @@ class Waiters:
         self.closing = False
         self._queues: dict[Key, _Queue] = {}
         self._by_organization: Counter[str] = Counter()  # waiting acquires, organizations with any
+        # The waiting sets' wake-ups, by each key that has refused them.
+        self._sets: dict[Key, set[asyncio.Event]] = {}
 
     async def released(self, conn: psycopg.AsyncConnection[Any], payloads: list[str]) -> None:
         """Listener callback: wake the waiters of each key that ended (after a reconnect, of each
         key whose end may have been missed)."""
         if not payloads:
+            for events in self._sets.values():  # a set waits on few keys: each tries again
+                for event in events:
+                    event.set()
             await self._reconnected(conn)
         for payload in payloads:
             organization_id, _, job_type = payload.partition("/")
             queue = self._queues.get((organization_id, job_type))
             if queue is not None:
                 queue.wake.set()
+            for event in self._sets.get((organization_id, job_type), ()):
+                event.set()
 
     async def _reconnected(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """Wake the head of each key whose lock is not the one it sleeps on (that lock ended
@@ -123,6 +136,9 @@ class Waiters:
         self.closing = True
         for queue in self._queues.values():
             queue.wake.set()
+        for events in self._sets.values():
+            for event in events:
+                event.set()
 
     async def acquire(
         self,
@@ -177,6 +193,69 @@ class Waiters:
             queue.waiters -= 1
             if queue.waiters == 0:
                 del self._queues[key]
+
+    async def acquire_all(
+        self,
+        organization: str,
+        wait_seconds: float,
+        attempt: Callable[[], Awaitable[T]],
+        remaining_ms: Callable[[int], Awaitable[int | None]],
+        release: Callable[[T], Awaitable[None]],
+        gone: asyncio.Future[None],
+        announced: Callable[[str], AbstractAsyncContextManager[None]],
+    ) -> T:
+        """attempt() a whole set (a session's locks) until it grants, for up to wait_seconds;
+        LockHeld, naming the job type that refused, when the time is up. Between attempts it
+        sleeps until a key that refused it ends or the lease that refused it last runs out;
+        inside `announced(job_type)` the ends of that key are announced. `gone` and `release` as
+        for acquire()."""
+        if self._by_organization[organization] >= self.per_organization:
+            raise OrganizationWaitersFull(self.per_organization)
+        if self.count >= self.limit:
+            raise TooManyWaiters(self.limit)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_seconds
+        wake = asyncio.Event()
+        watched: list[Key] = []
+        self.count += 1
+        self._by_organization[organization] += 1
+        try:
+            async with contextlib.AsyncExitStack() as announcing:
+                while True:
+                    if gone.done():
+                        raise WaitInterrupted("the client went away")
+                    wake.clear()  # before the attempt: an end during it must not be missed
+                    try:
+                        return await self._granted(await attempt(), release, gone)
+                    except LockHeld as held:
+                        if self.closing:
+                            raise WaitInterrupted("the service is stopping") from held
+                        left = deadline - loop.time()
+                        if left <= 0:
+                            raise
+                        key = (organization, held.job_type or "")
+                        if key not in watched:
+                            # Its ends wake this set from now on, and are announced once the key
+                            # is registered; one may have come since the attempt: attempt again.
+                            watched.append(key)
+                            self._sets.setdefault(key, set()).add(wake)
+                            with contextlib.suppress(DatabaseUnavailable):
+                                await announcing.enter_async_context(announced(key[1]))
+                                continue
+                        expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
+                        timer = 0.0 if expiry is None else min(left, expiry / 1000 + EXPIRY_SLACK_SECONDS)
+                        with contextlib.suppress(TimeoutError):
+                            await self._until(wake.wait(), loop.time() + timer, gone)
+        finally:
+            self.count -= 1
+            self._by_organization[organization] -= 1
+            if not self._by_organization[organization]:
+                del self._by_organization[organization]
+            for key in watched:
+                events = self._sets[key]
+                events.discard(wake)
+                if not events:
+                    del self._sets[key]
 
     async def _wait_in_turn(
         self,
@@ -234,9 +313,7 @@ class Waiters:
         return await self._granted(await attempt(), release, gone)
 
     @staticmethod
-    async def _granted(
-        grant: Grant, release: Callable[[Grant], Awaitable[None]], gone: asyncio.Future[None]
-    ) -> Grant:
+    async def _granted(grant: T, release: Callable[[T], Awaitable[None]], gone: asyncio.Future[None]) -> T:
         if gone.done():
             await release(grant)
             raise WaitInterrupted("the client went away; its grant was released")
