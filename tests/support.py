@@ -27,7 +27,7 @@ from psycopg.types.json import Jsonb
 from harness.browser import CHROMEDRIVER, CHROMIUM
 from harness.processes import running_service
 from harness.proxies import through
-from helix_locks import AsyncLockClient, Lease, LockClient
+from helix_locks import AsyncLockClient, Lease, LockClient, SessionLease
 from helix_locks.server import hot
 from helix_locks.server.embedded import DIRECT_DATABASE_URL
 from helix_locks.server.settings import Settings
@@ -246,11 +246,21 @@ class Either:
 
     @contextmanager
     def lock(self, *args: Any, **kwargs: Any) -> Iterator[Lease]:
+        with self._block("lock", *args, **kwargs) as lease:
+            yield lease
+
+    @contextmanager
+    def session(self, *args: Any, **kwargs: Any) -> Iterator[SessionLease]:
+        with self._block("session", *args, **kwargs) as lease:
+            yield lease
+
+    @contextmanager
+    def _block(self, name: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
         if self.kind == "sync":
-            with self.client.lock(*args, **kwargs) as lease:
+            with getattr(self.client, name)(*args, **kwargs) as lease:
                 yield lease
             return
-        block = self.client.lock(*args, **kwargs)
+        block = getattr(self.client, name)(*args, **kwargs)
         lease = self._await(block.__aenter__())
         try:
             yield lease

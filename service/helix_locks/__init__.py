@@ -25,10 +25,22 @@ from helix_locks.client import (
     LockLost,
     MaxHoldersMismatch,
     NotHelixLocks,
+    SessionGrant,
+    SessionLease,
     SyncLease,
     Unavailable,
 )
-from helix_locks.results import Acquired, Lock, LockEvent, LockState, Page, Reclaimed, Renewed
+from helix_locks.results import (
+    Acquired,
+    Lock,
+    LockEvent,
+    LockState,
+    OpenedSession,
+    Page,
+    Reclaimed,
+    Renewed,
+    SessionBody,
+)
 
 # The one version, pyproject.toml's, as installed (clients/node/package.json says the same: a test
 # holds them together).
@@ -51,9 +63,13 @@ __all__ = [
     "LockState",
     "MaxHoldersMismatch",
     "NotHelixLocks",
+    "OpenedSession",
     "Page",
     "Reclaimed",
     "Renewed",
+    "SessionBody",
+    "SessionGrant",
+    "SessionLease",
     "SyncLease",
     "Unavailable",
 ]

@@ -12,6 +12,9 @@
 A lease counts as lost as soon as a renewal is refused (410, 403, 404), and also when it could
 have lapsed by this process's own monotonic clock: renewals that keep failing never go unnoticed.
 
+    with client.session("acme", ["partition-1", "partition-2"], ttl=30) as session:
+        work(fences=session.fencing_tokens)  # all at once or none; one renewal for all of them
+
     for event in client.watch("acme"):      # GET /v1/events, resumed by itself after a cut
         print(event["id"], event["type"], event["lock"]["holder"])
 """
@@ -30,13 +33,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 import httpx
 
-from helix_locks.results import Acquired, Lock, LockEvent, LockState, Page, Renewed
+from helix_locks.results import Acquired, Lock, LockEvent, LockState, OpenedSession, Page, Renewed
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 # The retry policy is clients/contract.json's, which the Node client follows too (docs/workers.md).
@@ -134,7 +137,8 @@ class LockHeld(HelixError):
 
     `lock_id`, `holder` and `expires_at` name the held lock whose lease runs out first; `holders`
     lists at most 20 held locks (`lock_id`, `holder`, `slot`, `expires_at`), those whose leases run
-    out first; `holders_total` counts them all; `max_holders` is their number of slots."""
+    out first; `holders_total` counts them all; `max_holders` is their number of slots; to a
+    session's call, `job_type` names the pair."""
 
     def __init__(self, problem: Mapping[str, Any], retry_after: float, request_id: str | None = None) -> None:
         super().__init__(f"held by {problem.get('holder')} until {problem.get('expires_at')}")
@@ -151,6 +155,8 @@ class LockHeld(HelixError):
         self.holders: list[dict[str, Any]] = list(holders or [])
         self.holders_total: int = problem.get("holders_total") or len(self.holders)
         self.retry_after = retry_after
+        # Of a session's locks, all refused: the job type of the first (in job type order) held.
+        self.job_type: str | None = problem.get("job_type")
 
 
 class MaxHoldersMismatch(ApiError):
@@ -176,8 +182,10 @@ class LockLost(HelixError):
     def released_by_its_token(self) -> bool:
         """A 410 answers a request whose Lock-Token matched (a wrong one is 403 whatever the
         state), and release_reason "released" says the lock was released with that token:
-        by this holder, through an earlier attempt whose answer was lost."""
-        return self.problem.get("status") == 410 and self.problem.get("release_reason") == "released"
+        by this holder, through an earlier attempt whose answer was lost (of a session, its
+        end_reason "released")."""
+        released = "released" in (self.problem.get("release_reason"), self.problem.get("end_reason"))
+        return self.problem.get("status") == 410 and released
 
 
 @dataclass(frozen=True)
@@ -197,6 +205,24 @@ class Grant:
     # Of a semaphore: how many may hold the key at once, and which place, from 0, this one holds.
     max_holders: int = 1
     slot: int = 0
+    kind = "locks"  # the path its renewal and release go to
+
+
+@dataclass(frozen=True)
+class SessionGrant:
+    """An opened session: the service's session object (its locks in body["locks"], each with its
+    own fencing token), plus the token of the session and of all its locks."""
+
+    id: int
+    organization_id: str
+    token: str = field(repr=False)
+    ttl: float
+    sent_at: float = field(repr=False)  # as Grant's
+    body: OpenedSession = field(repr=False)
+    kind = "sessions"
+
+
+Granted = TypeVar("Granted", Grant, SessionGrant)
 
 
 def default_holder() -> str:
@@ -418,6 +444,10 @@ def _grant(body: Acquired, ttl: float, sent_at: float) -> Grant:
     )
 
 
+def _session_grant(body: OpenedSession, ttl: float, sent_at: float) -> SessionGrant:
+    return SessionGrant(body["id"], body["organization_id"], body["token"], ttl, sent_at, body)
+
+
 def _listing(
     organization_id: str | None,
     job_type: str | None,
@@ -542,15 +572,12 @@ def _watch_event(sent: ServerEvent) -> LockEvent:
     return cast(LockEvent, event)
 
 
-class Lease:
-    """A held lock, renewed in the background; shared by the sync and async clients."""
+class _Held:
+    """A held lock or session, renewed in the background, counted on our monotonic clock."""
 
-    def __init__(self, grant: Grant) -> None:
-        self.grant = grant
-        self.fencing_token = grant.fencing_token
-        # Of a semaphore: the place this lease holds (0 to max_holders - 1). Fence per slot.
-        self.slot = grant.slot
-        self.max_holders = grant.max_holders
+    grant: Grant | SessionGrant
+
+    def __init__(self, grant: Grant | SessionGrant) -> None:
         self._deadline = grant.sent_at + grant.ttl  # by our monotonic clock, from the request's start
         self._lost_reason: str | None = None
         self._sent = grant.sent_at  # when the latest renewal (or the acquire) was sent
@@ -596,6 +623,30 @@ class Lease:
     def _lose(self, reason: str) -> None:
         if self._lost_reason is None:
             self._lost_reason = reason
+
+
+class Lease(_Held):
+    """A held lock, renewed in the background; shared by the sync and async clients."""
+
+    def __init__(self, grant: Grant) -> None:
+        super().__init__(grant)
+        self.grant = grant
+        self.fencing_token = grant.fencing_token
+        # Of a semaphore: the place this lease holds (0 to max_holders - 1). Fence per slot.
+        self.slot = grant.slot
+        self.max_holders = grant.max_holders
+
+
+class SessionLease(_Held):
+    """A held session, renewed in the background (one renewal for all its locks): `locks` are its
+    locks by job type, `fencing_tokens` the fencing token of each, to pass to what it writes."""
+
+    def __init__(self, grant: SessionGrant) -> None:
+        super().__init__(grant)
+        self.grant = grant
+        self.id = grant.id
+        self.locks: dict[str, Lock] = {lock["job_type"]: lock for lock in grant.body["locks"]}
+        self.fencing_tokens = {job_type: lock["fencing_token"] for job_type, lock in self.locks.items()}
 
 
 class SyncLease(Lease):
@@ -736,6 +787,36 @@ class _Core:
         max_holders: int = 1,
     ) -> Flow[Grant]:
         body = _acquire_body(organization_id, job_type, ttl, holder, metadata, max_holders)
+        return (yield from self._granted("/v1/locks", body, ttl, wait, _grant))
+
+    def _open_session(
+        self,
+        organization_id: str,
+        job_types: list[str],
+        ttl: float,
+        holder: str | None,
+        metadata: Mapping[str, Any] | None,
+        wait: float,
+    ) -> Flow[SessionGrant]:
+        body: dict[str, Any] = {
+            "organization_id": organization_id,
+            "holder": holder or default_holder(),
+            "ttl_seconds": ttl,
+            "locks": [{"job_type": job_type} for job_type in job_types],
+        }
+        if metadata is not None:
+            body["metadata"] = dict(metadata)
+        return (yield from self._granted("/v1/sessions", body, ttl, wait, _session_grant))
+
+    def _granted(
+        self,
+        path: str,
+        body: dict[str, Any],
+        ttl: float,
+        wait: float,
+        grant: Callable[[Any, float, float], Granted],
+    ) -> Flow[Granted]:
+        """An acquire's (or a session's) grant, asked again after each 409 until `wait` is over."""
         headers = {"Idempotency-Key": uuid.uuid4().hex}  # so that a retry never locks us out
         give_up = time.monotonic() + wait
         rounds = 0
@@ -745,7 +826,7 @@ class _Core:
             try:
                 response = yield from self._send(
                     "POST",
-                    "/v1/locks",
+                    path,
                     json=body,
                     headers=headers,
                     within=max(ttl * 0.5, 1.0),
@@ -753,7 +834,7 @@ class _Core:
                     refused_within=REFUSED_WITHIN_SECONDS,
                     timeout=self.timeout + waiting if self.timeout else None,
                 )
-                return (yield from self._confirmed(_grant(response.json(), ttl, started)))
+                return (yield from self._confirmed(grant(response.json(), ttl, started)))
             except LockHeld as held:
                 left = give_up - time.monotonic()
                 if left <= 0:
@@ -764,10 +845,12 @@ class _Core:
                 yield _Pause(min(backoff_seconds(rounds), held.retry_after, left))
                 rounds += 1
 
-    def _renew(self, lock_id: int, token: str, ttl: float, within: float) -> Flow[Renewed]:
+    def _renew(
+        self, lock_id: int, token: str, ttl: float, within: float, kind: str = "locks"
+    ) -> Flow[Renewed]:
         response = yield from self._send(
             "POST",
-            f"/v1/locks/{lock_id}/renew",
+            f"/v1/{kind}/{lock_id}/renew",
             json={"ttl_seconds": ttl},
             headers={"Lock-Token": token},
             within=within,
@@ -800,9 +883,9 @@ class _Core:
             lease._lose(str(exc))
             raise
 
-    def _release(self, lock_id: int, token: str) -> Flow[None]:
+    def _release(self, lock_id: int, token: str, kind: str = "locks") -> Flow[None]:
         try:
-            path, headers = f"/v1/locks/{lock_id}", {"Lock-Token": token}
+            path, headers = f"/v1/{kind}/{lock_id}", {"Lock-Token": token}
             yield from self._send("DELETE", path, headers=headers, holding=True)
         except LockLost as lost:
             if not lost.released_by_its_token:
@@ -874,7 +957,7 @@ class _Core:
             yield _Pause(pause)
             attempt += 1
 
-    def _confirmed(self, grant: Grant) -> Flow[Grant]:
+    def _confirmed(self, grant: Granted) -> Flow[Granted]:
         """A lease counts from when its acquire was sent. After a wait longer than a renewal
         period that leaves too little, so renew once before the grant is handed over, and count
         from that renewal's send. A failure releases what it can and raises: no work starts on a
@@ -883,21 +966,21 @@ class _Core:
             return grant
         started = time.monotonic()
         try:
-            yield from self._renew(grant.id, grant.token, grant.ttl, within=max(grant.ttl / 3, 1.0))
+            yield from self._renew(grant.id, grant.token, grant.ttl, max(grant.ttl / 3, 1.0), grant.kind)
         except LockLost:
             raise
         except HelixError:
             with contextlib.suppress(HelixError):
-                yield from self._release(grant.id, grant.token)
+                yield from self._release(grant.id, grant.token, grant.kind)
             raise
         return replace(grant, sent_at=started)
 
-    def _renewal(self, lease: Lease) -> Flow[bool]:
+    def _renewal(self, lease: Lease | SessionLease) -> Flow[bool]:
         """One renewal of a held lease; False once the lease is lost (it says why)."""
         started = lease._sent = time.monotonic()
         grant = lease.grant
         try:
-            yield from self._renew(grant.id, grant.token, grant.ttl, within=max(lease.remaining, 0.1))
+            yield from self._renew(grant.id, grant.token, grant.ttl, max(lease.remaining, 0.1), grant.kind)
             lease._renewed(started)
         except LockLost as exc:
             lease._lose(str(exc))
@@ -978,6 +1061,58 @@ class LockClient(_Core):
         A retry after an answer that never came (or a 503) may find the lock released by the
         first attempt: that is this release's own success, not a loss."""
         self._run(self._release(lock_id, token))
+
+    def open_session(
+        self,
+        organization_id: str,
+        job_types: list[str],
+        ttl: float = 30,
+        holder: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        wait: float = 0,
+    ) -> SessionGrant:
+        """Open a session holding the locks of `job_types`, all granted at once or none
+        (LockHeld names the first that is held, as its `problem["job_type"]`); with `wait`, wait
+        until all are free. The grant's id and token are the session's; renew it with
+        renew_session, end it with end_session."""
+        return self._run(self._open_session(organization_id, job_types, ttl, holder, metadata, wait))
+
+    def renew_session(self, session_id: int, token: str, ttl: float, within: float = 10.0) -> Renewed:
+        """A new lease for the session and all its locks; LockLost once it ended or lost a lock."""
+        return self._run(self._renew(session_id, token, ttl, within, "sessions"))
+
+    def end_session(self, session_id: int, token: str) -> None:
+        """Release every lock of the session and end it; LockLost if it had lost a lock."""
+        self._run(self._release(session_id, token, "sessions"))
+
+    @contextlib.contextmanager
+    def session(
+        self,
+        organization_id: str,
+        job_types: list[str],
+        ttl: float = 30,
+        holder: str | None = None,
+        wait: float = 0,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Iterator[SessionLease]:
+        """Hold all the locks of `job_types` for the block, in one session: renewed every ttl/3
+        in a thread with one request for all of them, ended at the end. Its loss (a refused
+        renewal, or renewals failing until it could lapse) shows as the lease's."""
+        grant = self.open_session(organization_id, job_types, ttl, holder, metadata, wait)
+        lease = SessionLease(grant)
+        stop = threading.Event()
+        renewer = threading.Thread(
+            target=self.keep_alive, args=(lease, stop), daemon=True, name="helix-renew"
+        )
+        renewer.start()
+        try:
+            yield lease
+        finally:
+            stop.set()
+            renewer.join()
+            if not lease.lost:
+                with contextlib.suppress(HelixError):
+                    self.end_session(grant.id, grant.token)
 
     def get(self, lock_id: int) -> Lock:
         """The lock with this id, live or ended (never its token); ApiError 404 if there is none
@@ -1075,7 +1210,7 @@ class LockClient(_Core):
                 with contextlib.suppress(HelixError):
                     self.release(grant.id, grant.token)
 
-    def keep_alive(self, lease: Lease, stop: threading.Event) -> None:
+    def keep_alive(self, lease: Lease | SessionLease, stop: threading.Event) -> None:
         """Renew every ttl/3 until `stop` is set or the lease is lost (it says which)."""
         while not stop.wait(lease._until_renewal()):
             if not self._run(self._renewal(lease)):
@@ -1145,6 +1280,50 @@ class AsyncLockClient(_Core):
     async def release(self, lock_id: int, token: str) -> None:
         """As LockClient.release."""
         await self._run(self._release(lock_id, token))
+
+    async def open_session(
+        self,
+        organization_id: str,
+        job_types: list[str],
+        ttl: float = 30,
+        holder: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        wait: float = 0,
+    ) -> SessionGrant:
+        """As LockClient.open_session."""
+        return await self._run(self._open_session(organization_id, job_types, ttl, holder, metadata, wait))
+
+    async def renew_session(self, session_id: int, token: str, ttl: float, within: float = 10.0) -> Renewed:
+        """As LockClient.renew_session."""
+        return await self._run(self._renew(session_id, token, ttl, within, "sessions"))
+
+    async def end_session(self, session_id: int, token: str) -> None:
+        """As LockClient.end_session."""
+        await self._run(self._release(session_id, token, "sessions"))
+
+    @contextlib.asynccontextmanager
+    async def session(
+        self,
+        organization_id: str,
+        job_types: list[str],
+        ttl: float = 30,
+        holder: str | None = None,
+        wait: float = 0,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> AsyncIterator[SessionLease]:
+        """As LockClient.session, renewed by a task."""
+        grant = await self.open_session(organization_id, job_types, ttl, holder, metadata, wait)
+        lease = SessionLease(grant)
+        renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")
+        try:
+            yield lease
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            if not lease.lost:
+                with contextlib.suppress(HelixError):
+                    await self.end_session(grant.id, grant.token)
 
     async def get(self, lock_id: int) -> Lock:
         """As LockClient.get."""
@@ -1236,7 +1415,7 @@ class AsyncLockClient(_Core):
                 with contextlib.suppress(HelixError):
                     await self.release(grant.id, grant.token)
 
-    async def keep_alive(self, lease: Lease) -> None:
+    async def keep_alive(self, lease: Lease | SessionLease) -> None:
         """Renew every ttl/3 until cancelled or the lease is lost (it says which)."""
         while True:
             await asyncio.sleep(lease._until_renewal())

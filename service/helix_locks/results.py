@@ -35,6 +35,8 @@ class Lock(TypedDict):
     slot: int
     # The id of the admin key that released it by force; None otherwise.
     forced_by: NotRequired[str | None]
+    # The session it belongs to, whose token and lease it shares; None for a lock on its own.
+    session_id: NotRequired[int | None]
 
 
 class Reclaimed(TypedDict):
@@ -56,6 +58,28 @@ class Renewed(Lock):
     """A renewal's answer: the lock, and whether the lease had run out, unreclaimed, before it."""
 
     lapsed: bool
+
+
+SessionState = Literal["held", "expired", "ended"]
+
+
+class SessionBody(TypedDict):
+    """A session (POST /v1/sessions and below): one lease that its locks share."""
+
+    id: int
+    organization_id: str
+    holder: str
+    expires_at: str
+    ttl_remaining_ms: int
+    state: SessionState
+    # Its unreleased locks, in job type order.
+    locks: list[Lock]
+
+
+class OpenedSession(SessionBody):
+    """A session's opening answer (Grant.body of a session): with its secret token."""
+
+    token: str
 
 
 class Page(TypedDict):

@@ -113,6 +113,51 @@ def test_a_renewal_refused_marks_the_lease_lost_at_once(
             lease.check()
 
 
+def test_a_session_holds_all_its_locks_renews_them_with_one_request_and_ends_them_at_the_end(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    url, _ = service
+    with either(kind, url) as client:
+        with client.session("acme", ["part-2", "part-1"], ttl=1) as session:
+            assert sorted(session.locks) == ["part-1", "part-2"]
+            assert session.fencing_tokens == {"part-1": 1, "part-2": 1}
+            for _ in range(30):  # 3 s: three times the lease
+                time.sleep(0.1)
+                session.check()
+            for job_type in ("part-1", "part-2"):
+                current = client.current("acme", job_type)
+                assert current is not None and current["session_id"] == session.id
+                with pytest.raises(LockHeld) as held:
+                    client.acquire("acme", job_type, ttl=1, holder="rival")
+            # A set that overlaps it is refused whole, naming the first pair held.
+            with pytest.raises(LockHeld) as held:
+                client.open_session("acme", ["part-3", "part-2"], ttl=1)
+            assert held.value.job_type == "part-2"
+        assert client.current("acme", "part-1") is None and client.current("acme", "part-2") is None
+        # part-3 was never granted: its first grant is token 1.
+        assert client.acquire("acme", "part-3", ttl=1).fencing_token == 1
+
+
+def test_a_session_that_lost_a_lock_is_lost_at_its_next_renewal(
+    kind: str, service: tuple[str, Any], db_url: str
+) -> None:
+    url, _ = service
+    with either(kind, url) as client, client.session("acme", ["a", "b"], ttl=1.5) as session:
+        with psycopg.connect(db_url, autocommit=True) as conn:  # an admin's force, of b alone
+            conn.execute(
+                "SELECT helix_end_holds(ARRAY[%s]::bigint[], clock_timestamp(), 'forced', 'admin')",
+                (session.locks["b"]["id"],),
+            )
+        deadline = time.monotonic() + 1.2  # one renewal period (ttl/3) and a margin
+        while not session.lost:
+            assert time.monotonic() < deadline, "lost at the first refused renewal"
+            time.sleep(0.02)
+        assert "410" in (session.lost_reason or ""), session.lost_reason
+        with pytest.raises(LockLost):
+            session.check()
+        assert client.current("acme", "a") is None  # the renewal that found the loss released a
+
+
 def test_a_lease_counts_as_lost_by_its_own_clock_before_it_could_lapse(
     kind: str, service: tuple[str, Any]
 ) -> None:
