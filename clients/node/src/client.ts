@@ -18,6 +18,10 @@ import { EventStreamDecoder, type ServerEvent } from "./sse.js";
 import type {
   AcquireOptions,
   Acquired,
+  OpenedSession,
+  SessionBody,
+  SessionOptions,
+  SessionRenewed,
   ListOptions,
   Lock,
   LockEvent,
@@ -54,6 +58,13 @@ export interface LockRef {
   readonly token: string;
   /** The lease in seconds that renew asks for when it is not given. */
   readonly ttl?: number;
+}
+
+/** What a lease keeps alive: a lock's grant, or a session's. */
+interface Renewable extends LockRef {
+  readonly ttl: number;
+  /** performance.now() from which the lease is counted. */
+  readonly sentAt: number;
 }
 
 export interface LockClientOptions {
@@ -299,59 +310,73 @@ export class Grant implements LockRef {
   }
 }
 
+/** An opened session: what the service granted (its locks, each with its own fencing token), and
+ * the token of the session and of all its locks. */
+export class SessionGrant implements Renewable {
+  readonly id: number;
+  readonly organizationId: string;
+  readonly holder: string;
+  /** The lease asked for, in seconds. */
+  readonly ttl: number;
+  /** Its locks by job type. */
+  readonly locks: Record<string, Lock>;
+  /** The fencing token of each lock, by job type: hand it to the storage each one guards. */
+  readonly fencingTokens: Record<string, number>;
+  /** The session object the service answered (without the token). */
+  readonly session: SessionBody;
+  /** performance.now() from which the lease is counted: when the session was asked for. */
+  readonly sentAt: number;
+  readonly #token: string;
+
+  constructor(answer: OpenedSession, ttl: number, sentAt: number) {
+    const { token, ...session } = answer;
+    this.#token = token;
+    this.id = answer.id;
+    this.organizationId = answer.organization_id;
+    this.holder = answer.holder;
+    this.ttl = ttl;
+    this.session = session;
+    this.locks = Object.fromEntries(answer.locks.map((lock) => [lock.job_type, lock]));
+    this.fencingTokens = Object.fromEntries(answer.locks.map((lock) => [lock.job_type, lock.fencing_token]));
+    this.sentAt = sentAt;
+  }
+
+  /** The secret of the session and of each of its locks (Lock-Token); not an own property. */
+  get token(): string {
+    return this.#token;
+  }
+}
+
 /**
- * A held lock, renewed in the background every ttl/3 while withLock's callback runs.
- *
- * `signal` aborts, with a LockLostError as its reason, the moment the lock may be lost: a renewal
- * refused (410, 403, 404), or the lease's safety margin (a tenth of the ttl, at least 100 ms)
- * reached on this process's monotonic clock because renewals did not succeed in time. It also
- * aborts once withLock has released the lock.
+ * A held lock or session, renewed in the background every ttl/3: its signal, its clock and its
+ * renewals. `A` is what the service answers about it (a lock, a session).
  */
-export class Lease {
-  readonly grant: Grant;
-  readonly #client: LockClient;
-  readonly #controller = new AbortController();
+abstract class Held<G extends Renewable, A> {
+  readonly grant: G;
+  protected readonly client: LockClient;
+  protected readonly controller = new AbortController();
   readonly #stop = new AbortController();
   readonly #safetyMs: number;
-  #renewedAt: number; // performance.now() when the latest successful renewal (or the acquire) was sent
+  #renewedAt: number; // performance.now() when the latest successful renewal (or the grant) was sent
   #timer: ReturnType<typeof setTimeout> | undefined;
-  #lock: Lock;
+  protected answer: A;
 
-  /** Made by LockClient.withLock; use `client.withLock`, not this. */
-  constructor(grant: Grant, client: LockClient, renewed?: { sentAt: number; lock: Lock }) {
+  constructor(grant: G, client: LockClient, first: A, renewed?: { sentAt: number; answer: A }) {
     this.grant = grant;
-    this.#client = client;
-    this.#lock = renewed?.lock ?? grant.lock;
+    this.client = client;
+    this.answer = renewed?.answer ?? first;
     this.#safetyMs = Math.max(MIN_SAFETY_MS, grant.ttl * 1000 * SAFETY_FRACTION);
     this.#renewedAt = renewed?.sentAt ?? grant.sentAt;
     this.#arm();
   }
 
-  get id(): number {
-    return this.grant.id;
-  }
-
-  get fencingToken(): number {
-    return this.grant.fencingToken;
-  }
-
-  get slot(): number {
-    return this.grant.slot;
-  }
-
-  get maxHolders(): number {
-    return this.grant.maxHolders;
-  }
-
-  /** The latest lock object the service answered: at the grant, or at the latest renewal or update. */
-  get lock(): Lock {
-    return this.#lock;
-  }
+  /** One renewal, as the service answers it. */
+  protected abstract renewOnce(options: { within: number; signal: AbortSignal }): Promise<A>;
 
   /** Aborts the moment the lock may be lost; pass it to fetch, streams and child processes. */
   get signal(): AbortSignal {
     this.#checkClock();
-    return this.#controller.signal;
+    return this.controller.signal;
   }
 
   /** Whether the lock may be lost (or was released at the end of withLock). */
@@ -376,26 +401,6 @@ export class Lease {
     if (reason !== null) throw reason;
   }
 
-  /**
-   * Replace the lock's metadata (progress, a leader's address) and return the lock. LockLostError,
-   * without a request, if the lease is lost already, or when the service says it is (which loses
-   * the lease).
-   */
-  async update(metadata: Metadata): Promise<Lock> {
-    this.check();
-    try {
-      const lock = await this.#client.update(this.grant, metadata, {
-        within: Math.max(this.remaining, 0.1),
-        signal: this.#controller.signal,
-      });
-      if (!this.lost) this.#lock = lock;
-      return lock;
-    } catch (error) {
-      if (error instanceof LockLostError) this._lose(error);
-      throw error;
-    }
-  }
-
   /** @internal Renew every ttl/3 until stopped or lost. Never rejects. */
   async _keepAlive(): Promise<void> {
     const period = (this.grant.ttl * 1000) / 3;
@@ -411,12 +416,9 @@ export class Lease {
       if (this.lost) return;
       const started = now();
       sent = started;
-      const during = anySignal([stop, this.#controller.signal]);
+      const during = anySignal([stop, this.controller.signal]);
       try {
-        const renewed = await this.#client.renew(this.grant, {
-          within: Math.max(this.remaining, 0.1),
-          signal: during.signal,
-        });
+        const renewed = await this.renewOnce({ within: Math.max(this.remaining, 0.1), signal: during.signal });
         this.#renewed(started, renewed);
       } catch (error) {
         if (stop.aborted || this.lost) return; // stopped, or lost meanwhile by the clock
@@ -439,15 +441,15 @@ export class Lease {
 
   /** @internal The lock is lost, or no longer held: abort the signal with this reason. */
   _lose(reason: LockLostError): void {
-    if (this.#controller.signal.aborted) return;
+    if (this.controller.signal.aborted) return;
     clearTimeout(this.#timer);
     this.#timer = undefined;
-    this.#controller.abort(reason);
+    this.controller.abort(reason);
   }
 
-  #renewed(started: number, lock: Lock): void {
+  #renewed(started: number, answer: A): void {
     if (this.lost) return; // a lease counted lost stays lost
-    this.#lock = lock;
+    this.answer = answer;
     this.#renewedAt = Math.max(this.#renewedAt, started);
     this.#arm();
   }
@@ -458,7 +460,7 @@ export class Lease {
   }
 
   #checkClock(): void {
-    if (!this.#controller.signal.aborted && now() >= this.#deadline() - this.#safetyMs) {
+    if (!this.controller.signal.aborted && now() >= this.#deadline() - this.#safetyMs) {
       this._lose(new LockLostError("the lease may have lapsed: renewals did not succeed in time"));
     }
   }
@@ -468,9 +470,104 @@ export class Lease {
     clearTimeout(this.#timer);
     this.#timer = undefined;
     this.#checkClock();
-    if (this.#controller.signal.aborted) return;
+    if (this.controller.signal.aborted) return;
     const wait = this.#deadline() - this.#safetyMs - now();
     this.#timer = setTimeout(() => this.#arm(), Math.max(1, Math.ceil(wait)));
+  }
+}
+
+/**
+ * A held lock, renewed in the background every ttl/3 while withLock's callback runs.
+ *
+ * `signal` aborts, with a LockLostError as its reason, the moment the lock may be lost: a renewal
+ * refused (410, 403, 404), or the lease's safety margin (a tenth of the ttl, at least 100 ms)
+ * reached on this process's monotonic clock because renewals did not succeed in time. It also
+ * aborts once withLock has released the lock.
+ */
+export class Lease extends Held<Grant, Lock> {
+  /** Made by LockClient.withLock; use `client.withLock`, not this. */
+  constructor(grant: Grant, client: LockClient, renewed?: { sentAt: number; lock: Lock }) {
+    super(grant, client, grant.lock, renewed && { sentAt: renewed.sentAt, answer: renewed.lock });
+  }
+
+  get id(): number {
+    return this.grant.id;
+  }
+
+  get fencingToken(): number {
+    return this.grant.fencingToken;
+  }
+
+  get slot(): number {
+    return this.grant.slot;
+  }
+
+  get maxHolders(): number {
+    return this.grant.maxHolders;
+  }
+
+  /** The latest lock object the service answered: at the grant, or at the latest renewal or update. */
+  get lock(): Lock {
+    return this.answer;
+  }
+
+  /**
+   * Replace the lock's metadata (progress, a leader's address) and return the lock. LockLostError,
+   * without a request, if the lease is lost already, or when the service says it is (which loses
+   * the lease).
+   */
+  async update(metadata: Metadata): Promise<Lock> {
+    this.check();
+    try {
+      const lock = await this.client.update(this.grant, metadata, {
+        within: Math.max(this.remaining, 0.1),
+        signal: this.controller.signal,
+      });
+      if (!this.lost) this.answer = lock;
+      return lock;
+    } catch (error) {
+      if (error instanceof LockLostError) this._lose(error);
+      throw error;
+    }
+  }
+
+  protected renewOnce(options: { within: number; signal: AbortSignal }): Promise<Lock> {
+    return this.client.renew(this.grant, options);
+  }
+}
+
+/**
+ * A held session (all its locks), renewed in the background every ttl/3 with one request while
+ * withSession's callback runs; `signal` aborts as a Lease's does, the moment any of its locks may
+ * be lost (the service ends a session that lost one, releasing the rest).
+ */
+export class SessionLease extends Held<SessionGrant, SessionBody> {
+  /** Made by LockClient.withSession; use `client.withSession`, not this. */
+  constructor(grant: SessionGrant, client: LockClient, renewed?: { sentAt: number; session: SessionBody }) {
+    super(grant, client, grant.session, renewed && { sentAt: renewed.sentAt, answer: renewed.session });
+  }
+
+  get id(): number {
+    return this.grant.id;
+  }
+
+  /** Its locks by job type, as granted. */
+  get locks(): Record<string, Lock> {
+    return this.grant.locks;
+  }
+
+  /** The fencing token of each of its locks, by job type. */
+  get fencingTokens(): Record<string, number> {
+    return this.grant.fencingTokens;
+  }
+
+  /** The latest session object the service answered. */
+  get session(): SessionBody {
+    return this.answer;
+  }
+
+  protected renewOnce(options: { within: number; signal: AbortSignal }): Promise<SessionBody> {
+    return this.client.renewSession(this.grant, options);
   }
 }
 
@@ -545,7 +642,35 @@ export class LockClient {
   async withLock<T>(options: AcquireOptions, fn: (lease: Lease) => T | Promise<T>): Promise<T> {
     if (typeof fn !== "function") throw new TypeError("withLock needs a function to run while holding the lock");
     const grant = await this.acquire(options);
-    const lease = new Lease(grant, this, await this.#confirmed(grant));
+    const renewed = await this.#confirmed(grant, "locks");
+    const lease = new Lease(grant, this, renewed && { sentAt: renewed.sentAt, lock: renewed.answer as Lock });
+    return this.#holding(lease, fn, (within) => this.release(grant, { within }), "withLock");
+  }
+
+  /**
+   * Hold all the locks of `jobTypes` while `fn` runs, in one session: opened with all of them
+   * granted at once or none (LockHeldError, whose `jobType` names the first pair held; with
+   * `wait`, it waits until all are free), renewed every ttl/3 with one request for all of them,
+   * and ended (every lock released) when `fn` settles, unless lost. Settles as withLock does.
+   */
+  async withSession<T>(options: SessionOptions, fn: (session: SessionLease) => T | Promise<T>): Promise<T> {
+    if (typeof fn !== "function") throw new TypeError("withSession needs a function to run while holding the locks");
+    const grant = await this.openSession(options);
+    const renewed = await this.#confirmed(grant, "sessions");
+    const lease = new SessionLease(
+      grant,
+      this,
+      renewed && { sentAt: renewed.sentAt, session: renewed.answer as SessionBody },
+    );
+    return this.#holding(lease, fn, (within) => this.endSession(grant, { within }), "withSession");
+  }
+
+  async #holding<L extends Held<Renewable, unknown>, T>(
+    lease: L,
+    fn: (lease: L) => T | Promise<T>,
+    release: (within: number) => Promise<void>,
+    name: string,
+  ): Promise<T> {
     const renewing = lease._keepAlive();
     let result: T | undefined;
     let failed = false;
@@ -567,11 +692,11 @@ export class LockClient {
     const before = lost();
     if (before !== null) throw before; // a lost lock is not released: it may be another's now
     try {
-      await this.release(grant, { within: Math.min(10, Math.max(lease.remaining, 1)) });
-      lease._lose(new LockLostError("released: withLock's callback ended"));
+      await release(Math.min(10, Math.max(lease.remaining, 1)));
+      lease._lose(new LockLostError(`released: ${name}'s callback ended`));
     } catch (error) {
       if (!(error instanceof LockLostError)) {
-        lease._lose(new LockLostError("withLock's callback ended; the release failed, the lease lapses", { cause: error }));
+        lease._lose(new LockLostError(`${name}'s callback ended; the release failed, the lease lapses`, { cause: error }));
       } else {
         lease._lose(error);
         throw lost();
@@ -587,13 +712,18 @@ export class LockClient {
    * renewal's send instead. Undefined when no renewal is needed. A failure releases what it can
    * and throws: the work never starts on a lease that may be over.
    */
-  async #confirmed(grant: Grant): Promise<{ sentAt: number; lock: Lock } | undefined> {
+  async #confirmed(grant: Renewable, kind: "locks" | "sessions"): Promise<{ sentAt: number; answer: unknown } | undefined> {
     if (now() - grant.sentAt < (grant.ttl * 1000) / 3) return undefined;
     const sentAt = now();
+    const within = Math.max(grant.ttl / 3, 1);
     try {
-      return { sentAt, lock: await this.renew(grant, { within: Math.max(grant.ttl / 3, 1) }) };
+      const answer = kind === "locks" ? await this.renew(grant, { within }) : await this.renewSession(grant, { within });
+      return { sentAt, answer };
     } catch (error) {
-      if (!(error instanceof LockLostError)) await this.release(grant, { within: 1 }).catch(() => undefined);
+      if (!(error instanceof LockLostError)) {
+        const release = kind === "locks" ? this.release(grant, { within: 1 }) : this.endSession(grant, { within: 1 });
+        await release.catch(() => undefined);
+      }
       throw error;
     }
   }
@@ -605,9 +735,8 @@ export class LockClient {
    * grant. MaxHoldersMismatchError at once when the key's held locks share another `maxHolders`.
    */
   async acquire(options: AcquireOptions): Promise<Grant> {
-    const { organizationId, jobType, holder, metadata, signal } = options;
+    const { organizationId, jobType, holder, metadata } = options;
     const ttl = options.ttl ?? 30;
-    const wait = options.wait ?? 0;
     const maxHolders = options.maxHolders ?? 1;
     const body: Record<string, unknown> = {
       organization_id: organizationId,
@@ -617,6 +746,37 @@ export class LockClient {
     };
     if (metadata !== undefined) body.metadata = metadata;
     if (maxHolders !== 1) body.max_holders = maxHolders; // an older service gets the same body
+    const { answer, started } = await this.#granted("/v1/locks", body, ttl, options.wait ?? 0, options.signal);
+    return new Grant(answer as Acquired, ttl, started);
+  }
+
+  /**
+   * Open a session holding the locks of `jobTypes`, all granted at once or none (LockHeldError
+   * names the first pair held as `jobType`); with `wait`, wait until all are free. The grant's id
+   * and token are the session's: renew it with renewSession, end it with endSession.
+   */
+  async openSession(options: SessionOptions): Promise<SessionGrant> {
+    const { organizationId, jobTypes, holder, metadata } = options;
+    const ttl = options.ttl ?? 30;
+    const body: Record<string, unknown> = {
+      organization_id: organizationId,
+      holder: holder ?? defaultHolder(),
+      ttl_seconds: ttl,
+      locks: Array.isArray(jobTypes) ? jobTypes.map((jobType) => ({ job_type: jobType })) : jobTypes,
+    };
+    if (metadata !== undefined) body.metadata = metadata;
+    const { answer, started } = await this.#granted("/v1/sessions", body, ttl, options.wait ?? 0, options.signal);
+    return new SessionGrant(answer as OpenedSession, ttl, started);
+  }
+
+  /** A grant's answer (a lock's, a session's), asked again after each 409 until `wait` is over. */
+  async #granted(
+    path: string,
+    body: Record<string, unknown>,
+    ttl: unknown,
+    wait: unknown,
+    signal: AbortSignal | undefined,
+  ): Promise<{ answer: unknown; started: number }> {
     const waitable = typeof wait === "number" && Number.isFinite(wait) && wait >= 0;
     if (!waitable) body.wait_seconds = wait; // the service says what is wrong with it
     const headers = { "idempotency-key": randomUUID() }; // so that a retry never locks us out
@@ -627,7 +787,7 @@ export class LockClient {
       let waiting = 0;
       const started = now();
       try {
-        const answer = await this._send("POST", "/v1/locks", {
+        const answer = await this._send("POST", path, {
           headers,
           body: () => {
             if (!waitable) return body;
@@ -640,7 +800,7 @@ export class LockClient {
           refusedWithinMs: REFUSED_WITHIN_MS,
           signal,
         });
-        return new Grant(answer.body as Acquired, ttl, started);
+        return { answer: answer.body, started };
       } catch (error) {
         if (!(error instanceof LockHeldError) || now() >= giveUp) throw error;
         // The service waited as long as it would (a round ends at its 60 s): ask again soon, but
@@ -650,6 +810,42 @@ export class LockClient {
         await sleep(Math.max(pause, 0), signal);
       }
     }
+  }
+
+  /** A new lease for the session and every one of its locks (default: the grant's ttl), in one
+   * request. LockLostError once it ended, or lost a lock (the service then released the rest). */
+  async renewSession(
+    session: LockRef,
+    options: { ttl?: number; within?: number; signal?: AbortSignal } = {},
+  ): Promise<SessionRenewed> {
+    const ttl = options.ttl ?? session.ttl ?? 30;
+    const answer = await this._send("POST", `/v1/sessions/${session.id}/renew`, {
+      headers: { "lock-token": session.token },
+      body: () => ({ ttl_seconds: ttl }),
+      withinMs: (options.within ?? 10) * 1000,
+      holding: true,
+      signal: options.signal,
+    });
+    return answer.body as SessionRenewed;
+  }
+
+  /** End the session, releasing every lock of it; LockLostError if it had ended otherwise or lost a lock. */
+  async endSession(session: LockRef, options: { within?: number; signal?: AbortSignal } = {}): Promise<void> {
+    try {
+      await this._send("DELETE", `/v1/sessions/${session.id}`, {
+        headers: { "lock-token": session.token },
+        withinMs: (options.within ?? 10) * 1000,
+        holding: true,
+        signal: options.signal,
+      });
+    } catch (error) {
+      if (!(error instanceof LockLostError && error.releasedByItsToken)) throw error;
+    }
+  }
+
+  /** A session and its unreleased locks. ApiError 404 for none (or another organization's). */
+  async getSession(id: number, options: { signal?: AbortSignal } = {}): Promise<SessionBody> {
+    return (await this._get(`/v1/sessions/${id}`, { signal: options.signal })) as SessionBody;
   }
 
   /** Renew a held lock for `ttl` seconds (default: the grant's). LockLostError if it is not ours any more. */

@@ -60,6 +60,8 @@ export class LockHeldError extends ApiError {
   readonly maxHolders: number;
   readonly holders: Holder[];
   readonly holdersTotal: number;
+  /** Of a session's locks, all refused: the job type of the first (in job type order) held. */
+  readonly jobType: string | null;
   declare readonly retryAfter: number;
 
   constructor(problem: Problem, retryAfter: number, requestId: string | null = null) {
@@ -79,6 +81,7 @@ export class LockHeldError extends ApiError {
     }
     // A service older than 0021 lists every holder, and does not count them.
     this.holdersTotal = typeof problem.holders_total === "number" ? problem.holders_total : this.holders.length;
+    this.jobType = typeof problem.job_type === "string" ? problem.job_type : null;
   }
 }
 
@@ -119,7 +122,9 @@ export class LockLostError extends HelixLocksError {
    * holder, through an earlier attempt whose answer was lost.
    */
   get releasedByItsToken(): boolean {
-    return this.status === 410 && this.problem?.release_reason === "released";
+    return (
+      this.status === 410 && (this.problem?.release_reason === "released" || this.problem?.end_reason === "released")
+    );
   }
 }
 

@@ -9,7 +9,7 @@
  *     });
  */
 
-export { defaultHolder, Grant, Lease, LockClient, LockList } from "./client.js";
+export { defaultHolder, Grant, Lease, LockClient, LockList, SessionGrant, SessionLease } from "./client.js";
 export type { LockClientOptions, LockRef } from "./client.js";
 export {
   ApiError,
@@ -35,6 +35,10 @@ export type {
   Page,
   Problem,
   Reclaimed,
+  OpenedSession,
   Renewed,
+  SessionBody,
+  SessionOptions,
+  SessionRenewed,
   WatchOptions,
 } from "./types.js";

@@ -33,6 +33,30 @@ export interface Lock {
   slot: number;
   /** The id of the admin key that released it by force; null otherwise (absent from older services). */
   forced_by?: string | null;
+  /** The session it belongs to, whose token and lease it shares; null for a lock on its own (absent from older services). */
+  session_id?: number | null;
+}
+
+/** A session: one lease that its locks share. */
+export interface SessionBody {
+  id: number;
+  organization_id: string;
+  holder: string;
+  expires_at: string;
+  ttl_remaining_ms: number;
+  state: "held" | "expired" | "ended";
+  /** Its unreleased locks, in job type order. */
+  locks: Lock[];
+}
+
+/** A session's opening answer: with its token. */
+export interface OpenedSession extends SessionBody {
+  token: string;
+}
+
+/** A session's renewal answer: whether its lease had run out before it. */
+export interface SessionRenewed extends SessionBody {
+  lapsed: boolean;
 }
 
 /** The stale lock an acquire took over. */
@@ -109,6 +133,20 @@ export interface AcquireOptions extends LockKey {
   /** The lock's metadata at grant. */
   metadata?: Metadata;
   /** Stops the acquire (its wait and its retries): it rejects with the signal's reason. */
+  signal?: AbortSignal;
+}
+
+export interface SessionOptions {
+  organizationId: string;
+  /** The job types whose locks the session holds: 0 to 32, distinct, all granted at once or none. */
+  jobTypes: string[];
+  /** The session's lease in seconds (1 to 86400), every lock's; renewed every ttl/3 by withSession. Default 30. */
+  ttl?: number;
+  /** Seconds to wait until all of them are free at once (none is held meanwhile). Default 0. */
+  wait?: number;
+  holder?: string;
+  /** The metadata each lock gets at its grant. */
+  metadata?: Metadata;
   signal?: AbortSignal;
 }
 

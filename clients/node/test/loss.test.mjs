@@ -70,3 +70,59 @@ test("a waiter is granted the lock because of the release, well before its own w
   assert.equal(token, held.fencingToken + 1);
   assert.ok(latency < 2000, `granted ${latency} ms after the release: woken by it, not by its 30 s wait`);
 });
+
+test("a session that lost a lock to an admin's force: the signal aborts at its next renewal, withSession rejects", async (t) => {
+  assert.ok(service.adminKey, "HELIX_LOCKS_TEST_ADMIN_KEY: an admin key, to force the release");
+  const locks = client();
+  const [a, b] = [jobType("session-a"), jobType("session-b")];
+  const ttl = 1.5; // renewed every 0.5 s
+  let forcedAt = 0;
+  let abortedAt = 0;
+  let kept = 0;
+  const outcome = locks.withSession({ organizationId: ORG, jobTypes: [a, b], ttl }, async (session) => {
+    assert.deepEqual(Object.keys(session.fencingTokens).sort(), [a, b].sort());
+    kept = session.locks[a].id;
+    session.signal.addEventListener("abort", () => {
+      abortedAt = performance.now();
+    });
+    forcedAt = performance.now();
+    const forced = await admin("DELETE", `/v1/locks/${session.locks[b].id}?force=true`);
+    assert.equal(forced.status, 204);
+    await pause(30_000, undefined, { signal: session.signal });
+    return "finished the work of a set it had lost";
+  });
+  const error = await rejection(outcome, 10_000);
+  assert.ok(error instanceof LockLostError, `rejected with ${error}`);
+  assert.equal(error.status, 410);
+  assert.equal(error.problem.type, "urn:helix-locks:problem:session-ended");
+  assert.equal(error.problem.end_reason, "lost");
+  const took = abortedAt - forcedAt;
+  t.diagnostic(`forced -> signal aborted in ${took.toFixed(0)} ms (renewal every ${(ttl / 3) * 1000} ms)`);
+  assert.ok(abortedAt > forcedAt && took < (ttl / 3) * 1000 + 700, `aborted ${took} ms after the force`);
+  // The renewal that found the loss released the session's other lock.
+  const other = await admin("GET", `/v1/locks/${kept}`);
+  assert.equal(other.body.state, "released");
+});
+
+test("a session takes its locks all at once or none, renews them with one request, and ends them", async () => {
+  const locks = client();
+  const [a, b, c] = [jobType("set-a"), jobType("set-b"), jobType("set-c")];
+  const held = await locks.acquire({ organizationId: ORG, jobType: b, ttl: 30 });
+  const refused = await rejection(locks.openSession({ organizationId: ORG, jobTypes: [c, b, a], ttl: 30 }), 10_000);
+  assert.ok(refused instanceof LockHeldError);
+  assert.equal(refused.jobType, b);
+  assert.equal(await locks.current({ organizationId: ORG, jobType: a }), null, "none of the set was granted");
+  await locks.release(held);
+  const result = await locks.withSession({ organizationId: ORG, jobTypes: [a, b], ttl: 1.5 }, async (session) => {
+    for (let i = 0; i < 20; i++) {
+      await pause(100); // 2 s: longer than the lease, renewed every third of one
+      session.check();
+    }
+    const current = await locks.current({ organizationId: ORG, jobType: a });
+    assert.equal(current.session_id, session.id);
+    return session.id;
+  });
+  const ended = await locks.getSession(result);
+  assert.equal(ended.state, "ended");
+  assert.deepEqual(ended.locks, []);
+});
