@@ -203,6 +203,12 @@ def run_command(args: argparse.Namespace) -> int:
     if not command:
         print("helix-locks run: no command given (helix-locks run ... -- COMMAND [ARGS...])", file=sys.stderr)
         return 2
+    if len(args.job_type) > 1 and args.max_holders != 1:
+        print(
+            "helix-locks run: --max-holders takes one --job-type (a session's locks are plain)",
+            file=sys.stderr,
+        )
+        return 2
     with _client(args) as client:
         return runner.run(
             client,
@@ -305,9 +311,17 @@ def parser() -> argparse.ArgumentParser:
             "--api-key-file", type=Path, default=None, help="read the API key from this file's first line"
         )
 
-    def lock_options(command: argparse.ArgumentParser, ttl_help: str) -> None:
+    def lock_options(command: argparse.ArgumentParser, ttl_help: str, many: bool = False) -> None:
         command.add_argument("--org", required=True, help="organization id")
-        command.add_argument("--job-type", required=True, help="job type")
+        if many:
+            command.add_argument(
+                "--job-type",
+                required=True,
+                action="append",
+                help="job type; given more than once, the locks of all of them, at once, in one session",
+            )
+        else:
+            command.add_argument("--job-type", required=True, help="job type")
         command.add_argument("--ttl", type=float, default=30.0, help=ttl_help)
         command.add_argument("--wait", type=float, default=0.0, help="seconds to wait for a held lock")
         command.add_argument(
@@ -325,7 +339,9 @@ def parser() -> argparse.ArgumentParser:
         description="Hold the lock while COMMAND runs, renewing it, and release it when COMMAND ends. "
         "COMMAND finds the lock's id in HELIX_LOCKS_LOCK_ID, its fencing token in "
         "HELIX_LOCKS_FENCING_TOKEN and its slot (0 unless --max-holders is more than 1) in "
-        "HELIX_LOCKS_SLOT. "
+        "HELIX_LOCKS_SLOT. With several --job-type, all their locks are taken at once (or none), in "
+        "one session: COMMAND finds HELIX_LOCKS_SESSION_ID, and HELIX_LOCKS_LOCK_IDS and "
+        "HELIX_LOCKS_FENCING_TOKENS, JSON objects by job type. "
         f"Exit status: COMMAND's (128+N if signal N ended it); {runner.EXIT_HELD} if the lock is held "
         f"elsewhere (every slot, with --max-holders); {runner.EXIT_LOST} if the lock was lost and "
         f"COMMAND stopped; {runner.EXIT_REFUSED} if the service refused the acquire as asked (such as "
@@ -333,7 +349,7 @@ def parser() -> argparse.ArgumentParser:
         f"or --url is not the service's; {runner.EXIT_UNAVAILABLE} if the service could not be reached "
         "or could not serve the acquire.",
     )
-    lock_options(run_cmd, "lease in seconds, renewed every ttl/3 (default 30)")
+    lock_options(run_cmd, "lease in seconds, renewed every ttl/3 (default 30)", many=True)
     client_options(run_cmd)
     run_cmd.add_argument(
         "--pass-api-key",

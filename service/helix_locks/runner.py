@@ -1,4 +1,6 @@
 """`helix-locks run`: hold a lock while a command runs; stop the command before the lease could lapse.
+With several job types, it holds all their locks at once, in one session (granted together or
+not at all, renewed with one request).
 
 The command runs in a process group of its own, so that stopping it stops everything it started
 (a shell wrapper's children included). Exit statuses: the command's own, or 128+N if signal N
@@ -12,6 +14,7 @@ to acquire, or could not serve it (503 until the retries ran out, 429, 500).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +23,18 @@ import threading
 import time
 from types import FrameType
 
-from helix_locks.client import ApiError, HelixError, Lease, LockClient, LockHeld, LockLost, NotHelixLocks
+from helix_locks.client import (
+    ApiError,
+    Grant,
+    HelixError,
+    Lease,
+    LockClient,
+    LockHeld,
+    LockLost,
+    NotHelixLocks,
+    SessionGrant,
+    SessionLease,
+)
 
 EXIT_REFUSED = 64  # EX_USAGE: the request, as made, was refused; asking again will not help
 EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE: the service could not be reached or could not serve
@@ -60,7 +74,7 @@ def grace_seconds(ttl: float) -> float:
     return min(5.0, max(0.2, ttl * 0.2))
 
 
-def stop_before_lapse(process: subprocess.Popen[bytes], lease: Lease, grace: float) -> None:
+def stop_before_lapse(process: subprocess.Popen[bytes], lease: Lease | SessionLease, grace: float) -> None:
     """SIGTERM the group now; SIGKILL it after the grace, or sooner if the lease would lapse."""
     signal_group(process, signal.SIGTERM)
     kill_at = time.monotonic() + grace
@@ -85,7 +99,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 def run(
     client: LockClient,
     organization_id: str,
-    job_type: str,
+    job_types: list[str],
     ttl: float,
     wait: float,
     command: list[str],
@@ -97,7 +111,7 @@ def run(
     # The command gets no API key of ours unless asked: it holds the lock, not the key.
     env = {k: v for k, v in os.environ.items() if pass_api_key or k != API_KEY_VARIABLE}
     try:
-        return _run(client, organization_id, job_type, ttl, wait, command, env, max_holders)
+        return _run(client, organization_id, job_types, ttl, wait, command, env, max_holders)
     except Interrupted as interrupted:
         say(f"interrupted by signal {interrupted.signum} before the command started")
         return 128 + interrupted.signum
@@ -106,19 +120,53 @@ def run(
             signal.signal(signum, handler)
 
 
+def _held(client: LockClient, grant: Grant | SessionGrant) -> tuple[Lease | SessionLease, dict[str, str]]:
+    """The lease to keep, and what the command finds in its environment to fence its writes (and
+    to name the lock it runs under): of a semaphore, the slot it holds, by which it keys its
+    fence; of a session, its id and each lock's id and fencing token by job type, as JSON."""
+    if isinstance(grant, SessionGrant):
+        locks = grant.body["locks"]
+        return SessionLease(grant), {
+            "HELIX_LOCKS_SESSION_ID": str(grant.id),
+            "HELIX_LOCKS_LOCK_IDS": json.dumps({lock["job_type"]: lock["id"] for lock in locks}),
+            "HELIX_LOCKS_FENCING_TOKENS": json.dumps(
+                {lock["job_type"]: lock["fencing_token"] for lock in locks}
+            ),
+        }
+    return Lease(grant), {
+        "HELIX_LOCKS_LOCK_ID": str(grant.id),
+        "HELIX_LOCKS_FENCING_TOKEN": str(grant.fencing_token),
+        "HELIX_LOCKS_SLOT": str(grant.slot),
+    }
+
+
+def _let_go(client: LockClient, grant: Grant | SessionGrant) -> None:
+    """Release the lock, or end the session (releasing all its locks)."""
+    if isinstance(grant, SessionGrant):
+        client.end_session(grant.id, grant.token)
+    else:
+        client.release(grant.id, grant.token)
+
+
 def _run(
     client: LockClient,
     organization_id: str,
-    job_type: str,
+    job_types: list[str],
     ttl: float,
     wait: float,
     command: list[str],
     env: dict[str, str],
     max_holders: int = 1,
 ) -> int:
+    job_type = job_types[0]
+    grant: Grant | SessionGrant
     try:
-        grant = client.acquire(organization_id, job_type, ttl, wait=wait, max_holders=max_holders)
+        if len(job_types) == 1:
+            grant = client.acquire(organization_id, job_type, ttl, wait=wait, max_holders=max_holders)
+        else:
+            grant = client.open_session(organization_id, job_types, ttl, wait=wait)
     except LockHeld as held:
+        job_type = held.job_type or job_type
         if held.max_holders > 1:
             say(
                 f"all {held.max_holders} slots of {organization_id}/{job_type} are held;"
@@ -135,25 +183,18 @@ def _run(
     pending: list[int] = []
     for signum in FORWARDED:
         signal.signal(signum, lambda signum, frame: pending.append(signum))
-    lease = Lease(grant)
+    lease, fences = _held(client, grant)
     stop = threading.Event()
     renewer = threading.Thread(target=client.keep_alive, args=(lease, stop), daemon=True)
     renewer.start()
-    # What the command needs to fence its writes (and to name the lock it runs under); of a
-    # semaphore, the slot it holds, by which it keys its fence.
-    env = {
-        **env,
-        "HELIX_LOCKS_LOCK_ID": str(grant.id),
-        "HELIX_LOCKS_FENCING_TOKEN": str(grant.fencing_token),
-        "HELIX_LOCKS_SLOT": str(grant.slot),
-    }
+    env = {**env, **fences}
     try:
         process = subprocess.Popen(command, start_new_session=True, env=env)
     except OSError as exc:
         say(f"cannot run {command[0]}: {exc}")
         stop.set()
         renewer.join()
-        client.release(grant.id, grant.token)
+        _let_go(client, grant)
         return 127
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -184,7 +225,7 @@ def _run(
         renewer.join(timeout=0.2 if lost else None)
     if not lost and not lease.lost:
         try:
-            client.release(grant.id, grant.token)
+            _let_go(client, grant)
         except LockLost as exc:
             say(f"the lock had been lost before the command ended: {exc}")
             return EXIT_LOST

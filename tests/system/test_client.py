@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 import psycopg
@@ -188,6 +189,58 @@ def test_run_with_max_holders_gives_each_command_its_slot(db_url: str, tmp_path:
     assert full.returncode == 75 and "all 2 slots" in full_err, full_err
     assert other.returncode == 64 and "allow 2 holders" in other_err, other_err
     assert took < 5, "a mismatch is not waited for"
+
+
+def test_run_with_several_job_types_holds_all_their_locks_at_once_in_one_session(
+    db_url: str, tmp_path: Path
+) -> None:
+    """`run --job-type a --job-type b` takes both locks together (the command is told the session,
+    each lock's id and fencing token), renews them while it runs, and ends them all at its end; a
+    set with one pair held is refused whole (75, naming that pair), granting none of it."""
+    out = tmp_path / "env.json"
+    script = (
+        'printf \'{"session": "%s", "locks": %s, "fences": %s}\' "$HELIX_LOCKS_SESSION_ID"'
+        f' "$HELIX_LOCKS_LOCK_IDS" "$HELIX_LOCKS_FENCING_TOKENS" > {out}; sleep 1.5'
+    )
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
+        process = helix_run(
+            url, "--org", "acme", "--job-type", "b", "--job-type", "a", "--ttl", "1", "--", "sh", "-c", script
+        )
+        assert process.wait(timeout=30) == 0
+        told = json.loads(out.read_text())
+        assert sorted(told["locks"]) == ["a", "b"] and told["fences"] == {"a": 1, "b": 1}
+        for job_type, lock_id in told["locks"].items():
+            lock = client.get(lock_id)
+            assert lock["session_id"] == int(told["session"]) and lock["release_reason"] == "released"
+            # Held for the whole command, longer than its 1 s lease: renewed with the session.
+            assert lock["job_type"] == job_type and lock["released_at"] is not None
+            held_for = datetime.fromisoformat(lock["released_at"]) - datetime.fromisoformat(
+                lock["acquired_at"]
+            )
+            assert held_for.total_seconds() >= 1.4
+        with client.lock("acme", "b", ttl=30):
+            held = helix_run(
+                url,
+                "--org",
+                "acme",
+                "--job-type",
+                "c",
+                "--job-type",
+                "b",
+                "--",
+                "true",
+                stderr=subprocess.PIPE,
+            )
+            _, err = held.communicate(timeout=30)
+            assert held.returncode == 75 and "acme/b is held by" in err, err
+        assert client.acquire("acme", "c", ttl=1).fencing_token == 1, "c was never granted"
+        both = helix_run(
+            url, "--org", "acme", "--job-type", "x", "--job-type", "y", "--max-holders", "2", "--", "true"
+        )
+        assert both.wait(timeout=30) == 2
 
 
 def written_pid(pidfile: Path, process: subprocess.Popen[str], timeout: float = 10) -> int:
