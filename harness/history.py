@@ -19,7 +19,10 @@ The guarantees it checks, per (organization_id, job_type):
 - every grant a client was told about exists in the database, as told (its slot too, if told);
 - every release a client was told about (204) is in the database as released;
 - a lock a client was told it holds ends only by that client's release, by force, or by a reclaim
-  after its lease ran out: never released by the service on its own (given the release attempts).
+  after its lease ran out: never released by the service on its own (given the release attempts);
+- sessions (check_sessions): the locks a session's opening granted are exactly the set it asked
+  for, all granted by one statement (one transaction), and a refused opening made no session:
+  nobody holds a subset of a set it asked for at once.
 An answer that never came is unknown, as Jepsen has it: it may or may not have taken effect, so
 the database may hold grants no client was told about (left to expire) but never fewer.
 """
@@ -47,6 +50,8 @@ class Grant:
     release_reason: str | None
     max_holders: int = 1
     slot: int = 0
+    session_id: int | None = None
+    acquired_xid: int | None = None  # the granting transaction
 
 
 @dataclass(frozen=True)
@@ -75,9 +80,65 @@ def database_history(db_url: str) -> list[Grant]:
         conn.execute("SET DateStyle = ISO")  # psycopg reads no other, whatever the database's default
         rows = conn.execute(
             "SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
-            " released_at, release_reason, max_holders, slot FROM helix_job_locks"
+            " NULL::timestamptz, NULL::text, max_holders, slot, session_id, acquired_xid::text::bigint"
+            " FROM helix_holds"
+            " UNION ALL SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
+            " released_at, release_reason, max_holders, slot, session_id, acquired_xid::text::bigint"
+            " FROM helix_lock_history"
         ).fetchall()
-    return [Grant(r[0], (r[1], r[2]), r[3], r[4], r[5], r[6], r[7], r[8], r[9]) for r in rows]
+    return [Grant(r[0], (r[1], r[2]), *r[3:]) for r in rows]
+
+
+@dataclass(frozen=True)
+class AskedSet:
+    """A session's opening a client sent: its Idempotency-Key (as the service stores it, scoped
+    to the API key), the set of job types, and the status answered (None: no answer came)."""
+
+    idempotency_key: str
+    organization_id: str
+    job_types: frozenset[str]
+    status: int | None
+
+
+def session_openings(db_url: str) -> dict[str, int]:
+    """The sessions the database holds, by the Idempotency-Key each was opened with: their ids."""
+    with psycopg.connect(db_url) as conn:
+        rows = conn.execute(
+            "SELECT idempotency_key, id FROM helix_sessions WHERE idempotency_key IS NOT NULL"
+        ).fetchall()
+    return {str(key): int(session_id) for key, session_id in rows}
+
+
+def check_sessions(grants: list[Grant], asked: list[AskedSet], openings: dict[str, int]) -> list[str]:
+    """Every violation of a session's all-or-none: an opening answered 201 made a session whose
+    first grants (one transaction) are exactly the set asked for; one answered otherwise made no
+    session; one never answered made either."""
+    violations = []
+    first_grants: dict[int, list[Grant]] = defaultdict(list)
+    for grant in grants:
+        if grant.session_id is not None:
+            first_grants[grant.session_id].append(grant)
+    for opened, granted in first_grants.items():
+        first_xid = min(grant.acquired_xid or 0 for grant in granted)
+        first_grants[opened] = [grant for grant in granted if grant.acquired_xid == first_xid]
+    for request in asked:
+        session_id = openings.get(request.idempotency_key)
+        where = (
+            f"opening {request.idempotency_key} of {sorted(request.job_types)} (answered {request.status})"
+        )
+        if session_id is None:
+            if request.status == 201:
+                violations.append(f"{where}: the client was told of a session the database does not hold")
+            continue
+        if request.status not in (201, None):
+            violations.append(f"{where}: refused, yet it made session {session_id}")
+            continue
+        granted = first_grants.get(session_id, [])
+        pairs = {grant.key for grant in granted}
+        wanted = {(request.organization_id, job_type) for job_type in request.job_types}
+        if pairs != wanted or len(granted) != len(wanted):
+            violations.append(f"{where}: session {session_id} was granted {sorted(pairs)} by its opening")
+    return violations
 
 
 def check(

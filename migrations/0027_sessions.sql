@@ -379,6 +379,8 @@ COMMENT ON TYPE helix_session_answer IS 'A session call''s answer, one row per u
 CREATE FUNCTION helix_session_answer(p_session_id bigint, p_organization_id text, p_lapsed boolean, p_replayed boolean)
  RETURNS SETOF helix_session_answer
  LANGUAGE sql
+ SECURITY DEFINER
+ SET search_path FROM CURRENT
 AS $function$
     SELECT s.id, s.token, s.organization_id, s.holder, s.expires_at,
            CASE WHEN s.ended_at IS NULL

@@ -1569,6 +1569,8 @@ COMMENT ON FUNCTION helix_renew_session(bigint,text,bigint,text) IS 'POST /v1/se
 CREATE OR REPLACE FUNCTION public.helix_session_answer(p_session_id bigint, p_organization_id text, p_lapsed boolean, p_replayed boolean)
  RETURNS SETOF helix_session_answer
  LANGUAGE sql
+ SECURITY DEFINER
+ SET search_path TO 'public', 'pg_temp'
 AS $function$
     SELECT s.id, s.token, s.organization_id, s.holder, s.expires_at,
            CASE WHEN s.ended_at IS NULL
