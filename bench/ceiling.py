@@ -80,6 +80,13 @@ RENEW_SCRIPT = f"""\
 SELECT 1 FROM helix_renew_job_lock(:id, 'ceiling-renew-' || :client_id, {RENEW_TTL_MS}, '{ORGANIZATION}');
 """
 
+# A session's renewal (--sessions N,...): one renewal of the client's own session of N locks;
+# session ids are first_session + client_id (hold_sessions checks it), tokens set by the bench.
+SESSION_SCRIPT = f"""\
+\\set sid :first_session + :client_id
+SELECT 1 FROM helix_renew_session(:sid, 'ceiling-session-' || :client_id, {RENEW_TTL_MS}, '{ORGANIZATION}');
+"""
+
 # Coalescing (--coalesce K): what the service would send if it gathered K acquires that arrive at
 # once into one statement, and then K releases: one round trip and one commit for K calls, each
 # call in a subtransaction of its own, so that one call's error (23505 on a live conflict) is that
@@ -202,6 +209,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--since", help="A/B: A is the commit before the one that added migration NNNN")
     parser.add_argument(
+        "--sessions",
+        help="also a session's renewal, each client renewing a session of its own of N locks, for each N"
+        " given (comma-separated, such as 1,10,100); not with --base or --since",
+    )
+    parser.add_argument(
         "--replica-cycles",
         type=float,
         default=1032.0,
@@ -224,6 +236,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--history and --live must be >= 0")
     if not 0 <= args.coalesce <= 100:
         parser.error("--coalesce: 0 (not) to 100")
+    try:
+        args.session_sizes = [int(value) for value in args.sessions.split(",")] if args.sessions else []
+    except ValueError:
+        parser.error("--sessions: comma-separated numbers")
+    if args.session_sizes and (args.base or args.since):
+        parser.error("--sessions measures this tree's schema alone: not with --base or --since")
+    if not all(1 <= size <= 1000 for size in args.session_sizes):
+        parser.error("--sessions: sizes from 1 to 1000 locks")
     try:
         args.migration = migration_named(args.since) if args.since else None
     except ValueError as exc:
@@ -273,12 +293,14 @@ def run_script(
     clients: int,
     args: argparse.Namespace,
     per_transaction: int = 1,
+    first_session: int = 0,
 ) -> Measured:
     """pgbench running `script` at `clients`, and what it cost per call; a pgbench transaction is
     `per_transaction` calls."""
     stat_wal, url = args.stat_wal, side.url
     command = [str(pgbench_path()), "-n", "-M", "prepared", "-f", str(script)]
     command += ["-c", str(clients), "-j", str(min(clients, CPUS)), "-D", f"first_id={side.first_id}"]
+    command += ["-D", f"first_session={first_session}"]
     # Every statement of a transaction is a commit of its own: two for a cycle, one for a renewal.
     statements = sum(1 for line in script.read_text().splitlines() if line.startswith("SELECT"))
     if args.warmup > 0:
@@ -358,6 +380,27 @@ def hold_renewal_locks(conn: psycopg.Connection[tuple[object, ...]], clients: in
     return ids[0]
 
 
+def hold_sessions(conn: psycopg.Connection[tuple[object, ...]], clients: int, size: int) -> int:
+    """A session of `size` locks for each pgbench client, with a known token; the first session's
+    id: the others follow it one by one."""
+    ids = []
+    for client in range(clients):
+        job_types = [f"ceiling-s{size}-{client}-{n}" for n in range(size)]
+        row = conn.execute(
+            "SELECT session_id FROM helix_open_session(%s, 'pgbench', %s, NULL, NULL, %s, %s,"
+            " 2000000000, 2000000000, 1000)",
+            (ORGANIZATION, RENEW_TTL_MS, job_types, [1] * size),
+        ).fetchone()
+        assert row is not None
+        ids.append(int(str(row[0])))
+        conn.execute(
+            "UPDATE helix_sessions SET token = %s WHERE id = %s", (f"ceiling-session-{client}", ids[-1])
+        )
+    if ids != list(range(ids[0], ids[0] + clients)):
+        raise BenchError("the sessions' ids are not consecutive: something else opens sessions meanwhile")
+    return ids[0]
+
+
 def server_settings(conn: psycopg.Connection[tuple[object, ...]]) -> dict[str, str]:
     names = ["server_version", "synchronous_commit", "fsync", "full_page_writes", "wal_level"]
     names += ["max_wal_size", "checkpoint_timeout", "shared_buffers"]
@@ -374,6 +417,7 @@ class Side:
     cycles: list[Measured] = field(default_factory=list)
     renewals: list[Measured] = field(default_factory=list)
     coalesced: list[Measured] = field(default_factory=list)  # cycles, --coalesce K to a transaction
+    sessions: dict[int, list[Measured]] = field(default_factory=dict)  # renewals, by locks a session
 
 
 def measure(args: argparse.Namespace, sides: list[Side], workdir: Path) -> None:
@@ -399,7 +443,20 @@ def measure(args: argparse.Namespace, sides: list[Side], workdir: Path) -> None:
                 conn.execute(COALESCING_FUNCTIONS)
             conn.execute("VACUUM (ANALYZE)")
             conns[side.name] = conn
+        first_sessions = {
+            size: hold_sessions(conns[sides[0].name], max(args.levels), size) for size in args.session_sizes
+        }
+        if first_sessions:
+            conns[sides[0].name].execute("VACUUM (ANALYZE)")
+            session_script = workdir / "session.sql"
+            session_script.write_text(SESSION_SCRIPT)
         for level, clients in enumerate(args.levels):
+            for size, first in first_sessions.items():
+                side = sides[0]
+                log(f"{clients} client(s), a session's renewal of {size} locks ...")
+                result = run_script(side, conns[side.name], session_script, clients, args, 1, first)
+                side.sessions.setdefault(size, []).append(result)
+                log(f"  {result.per_second:,.0f} renewals/s, {result.wal_bytes:,.0f} WAL bytes each")
             for script, name, per_transaction, into in scripts:
                 for side in sides if level % 2 == 0 else sides[::-1]:
                     log(
@@ -522,6 +579,18 @@ def section(args: argparse.Namespace, side: Side) -> list[str]:
             ]
             if side.coalesced
             else []
+        ),
+        *(
+            line
+            for size, rows in side.sessions.items()
+            for line in [
+                *table(
+                    f"2c. a session's renewal, each client renewing a session of its own of {size} locks:",
+                    rows,
+                    "renewals",
+                ),
+                "",
+            ]
         ),
         f"3. What the best rates carry: {best_cycle.per_second:,.0f} cycles/s (at {best_cycle.clients}"
         f" clients), {best_renew.per_second:,.0f} renewals/s (at {best_renew.clients} clients).",

@@ -16,11 +16,18 @@
 --   wants. A pair that cannot be granted raises its error with its job type added to DETAIL,
 --   and the statement's rollback leaves none of the call's locks granted.
 --
--- The order of row locks, which keeps every path free of deadlocks: a session's row first, then
--- holds in (organization, job type, slot) order. The acquire and a lock's own release lock holds
--- alone and never a session's row, so a session that lost a lock to a reclaim learns it from the
--- history (a lock of it ended otherwise than released by its holder), not from a flag the
--- reclaiming acquire would have to write.
+-- The order of locks, which keeps every path free of deadlocks: a session's row first, then
+-- holds in (organization, job type, slot) order, then the organization's session count
+-- (helix_session_count_lock), which nobody holds while waiting for anything. The acquire and a
+-- lock's own release lock holds alone and never a session's row, so a session that lost a lock
+-- learns it from the history (a lock of it ended otherwise than released by its holder), not
+-- from a flag the reclaiming acquire would have to write. A renewal locks its holds FOR NO KEY
+-- UPDATE, as a lock's renewal does, so that a writer's fencing check (FOR KEY SHARE) never makes
+-- it wait.
+--
+-- The quota as for an acquire (migration 0020): far from it, the service lets a session's locks
+-- through on a share of the room (held in shared mode, like an acquire on a share), and the
+-- organization's quota lock is taken only near it, the exact way.
 
 CREATE SEQUENCE helix_session_ids;
 
@@ -47,9 +54,12 @@ CREATE INDEX helix_sessions_open ON helix_sessions (organization_id, idempotency
 
 ALTER TABLE helix_holds ADD COLUMN session_id bigint;
 ALTER TABLE helix_lock_history ADD COLUMN session_id bigint;
--- A session's holds (its renewal and end), and its locks that ended (whether it lost one).
-CREATE INDEX helix_holds_session ON helix_holds (session_id) WHERE session_id IS NOT NULL;
-CREATE INDEX helix_lock_history_session ON helix_lock_history (session_id) WHERE session_id IS NOT NULL;
+-- A session's holds (its renewal and end), and its locks that ended (whether it lost one): by the
+-- organization and the session, so that a generic plan for a statement naming both reads the
+-- session's rows, never the organization's.
+CREATE INDEX helix_holds_session ON helix_holds (organization_id, session_id) WHERE session_id IS NOT NULL;
+CREATE INDEX helix_lock_history_session ON helix_lock_history (organization_id, session_id)
+    WHERE session_id IS NOT NULL;
 
 COMMENT ON SEQUENCE helix_session_ids IS 'Session ids.';
 COMMENT ON TABLE helix_sessions IS 'One row per session: a lease that many locks share (helix_holds.session_id), renewed and ended by one statement for all of them (migration 0027). Kept after its end, so that a late call is told it ended, until retention (helix_prune_sessions).';
@@ -238,6 +248,7 @@ CREATE FUNCTION helix_end_session(p_session helix_sessions, p_at timestamptz, p_
  LANGUAGE plpgsql
 AS $function$
 BEGIN
+    PERFORM helix_lock_session_holds(p_session, true);
     PERFORM helix_end_holds(
         ARRAY(
             SELECT h.id FROM helix_holds AS h
@@ -248,40 +259,66 @@ BEGIN
     UPDATE helix_sessions AS s SET ended_at = p_at, end_reason = p_reason WHERE s.id = p_session.id;
 END $function$;
 
--- Row-locks a session's holds, in the order every path takes them, and returns how many.
-CREATE FUNCTION helix_lock_session_holds(p_session helix_sessions)
+-- Row-locks a session's holds, in the order every path takes them (FOR UPDATE to end them, else
+-- FOR NO KEY UPDATE), and returns how many.
+CREATE FUNCTION helix_lock_session_holds(p_session helix_sessions, p_to_end boolean)
  RETURNS integer
  LANGUAGE plpgsql
 AS $function$
 DECLARE
     v_count integer;
 BEGIN
-    SELECT count(*) INTO v_count FROM (
-        SELECT FROM helix_holds AS h
-        WHERE h.session_id = p_session.id AND h.organization_id = p_session.organization_id
-        ORDER BY h.organization_id, h.job_type COLLATE "C", h.slot
-        FOR UPDATE
-    ) AS locked;
+    IF p_to_end THEN
+        SELECT count(*) INTO v_count FROM (
+            SELECT FROM helix_holds AS h
+            WHERE h.session_id = p_session.id AND h.organization_id = p_session.organization_id
+            ORDER BY h.organization_id, h.job_type COLLATE "C", h.slot
+            FOR UPDATE
+        ) AS locked;
+    ELSE
+        SELECT count(*) INTO v_count FROM (
+            SELECT FROM helix_holds AS h
+            WHERE h.session_id = p_session.id AND h.organization_id = p_session.organization_id
+            ORDER BY h.organization_id, h.job_type COLLATE "C", h.slot
+            FOR NO KEY UPDATE
+        ) AS locked;
+    END IF;
     RETURN v_count;
+END $function$;
+
+-- Raises HL009 when the organization already has p_limit open sessions (not ended, lease
+-- running) besides p_session: under the organization's session count lock, taken last.
+CREATE FUNCTION helix_session_count_lock(p_session helix_sessions, p_limit integer)
+ RETURNS void
+ LANGUAGE plpgsql
+AS $function$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('helix_sessions/' || p_session.organization_id, 0));
+    IF (SELECT count(*) FROM helix_sessions AS s
+        WHERE s.organization_id = p_session.organization_id AND s.ended_at IS NULL
+          AND s.expires_at > clock_timestamp() AND s.id <> p_session.id) >= p_limit THEN
+        RAISE EXCEPTION 'organization % has its bound of open sessions', p_session.organization_id
+            USING ERRCODE = 'HL009', DETAIL = p_limit::text;
+    END IF;
 END $function$;
 
 -- Grants the pairs p_job_types (with p_max_holders each) to the session, all or none: each by
 -- helix_acquire_job_lock, in job type order, then joins them to the session (its token, its
 -- lease: the latest of theirs when p_lengthen, so that no hold's lease shortens; else the
--- session's). Under the organization's quota lock: the quota (HL004) and the bound on a
--- session's locks (HL008) are judged with the grants in.
+-- session's, HL010 if it ran out meanwhile). On the share p_share of the quota (HL005 once it is
+-- gone), or, without one, the exact way under the organization's quota lock (HL004); HL008 past
+-- the bound on a session's locks. Returns the locks' ids.
 CREATE FUNCTION helix_grant_session_locks(
     p_session helix_sessions, p_job_types text[], p_max_holders integer[], p_ttl_ms bigint,
-    p_quota integer, p_locks_limit integer, p_lengthen boolean
+    p_quota integer, p_share bigint, p_locks_limit integer, p_lengthen boolean
 )
- RETURNS void
+ RETURNS bigint[]
  LANGUAGE plpgsql
 AS $function$
 DECLARE
     v_org text := p_session.organization_id;
     v_pairs integer := coalesce(cardinality(p_job_types), 0);
-    v_live bigint;  -- the organization's live locks before the grants
-    v_after bigint;
+    v_live bigint;  -- the organization's live locks before the grants (the exact way)
     v_shared bigint;
     v_share bigint;
     v_job_type text;
@@ -293,31 +330,41 @@ DECLARE
     v_message text;
     v_detail text;
     v_constraint text;
-    v_column text;
 BEGIN
     IF v_pairs = 0 THEN
-        RETURN;
+        RETURN v_ids;
     END IF;
     IF cardinality(p_max_holders) <> v_pairs
        OR (SELECT count(DISTINCT j) FROM unnest(p_job_types) AS j) <> v_pairs THEN
         RAISE EXCEPTION 'a session''s locks name distinct job types, each with its max_holders'
             USING ERRCODE = 'invalid_parameter_value', COLUMN = 'locks';
     END IF;
-    -- As the exact way of the quota (helix_acquire_job_lock_within_quota): counted under the
-    -- organization's quota lock, the room its shares hold back taken back when it is needed,
-    -- before any pair is locked (an acquire on a share waits for a pair, never for the quota).
-    PERFORM pg_advisory_xact_lock(helix_quota_lock_key(v_org));
-    SELECT count(*) INTO v_live FROM helix_holds AS h WHERE h.organization_id = v_org;
-    SELECT coalesce(sum(s.room), 0) INTO v_shared FROM helix_quota_shares AS s
-    WHERE s.organization_id = v_org;
-    IF v_live + v_shared + v_pairs > p_quota THEN
-        FOR v_share IN
-            SELECT s.id FROM helix_quota_shares AS s WHERE s.organization_id = v_org ORDER BY s.id
-        LOOP
-            PERFORM pg_advisory_xact_lock(helix_quota_share_class(v_share), helix_quota_share_key(v_share));
-            DELETE FROM helix_quota_shares AS s WHERE s.organization_id = v_org AND s.id = v_share;
-        END LOOP;
+    IF p_share IS NOT NULL THEN
+        -- As helix_acquire_job_lock_on_share: the share stays until this transaction commits.
+        PERFORM pg_advisory_xact_lock_shared(helix_quota_share_class(p_share), helix_quota_share_key(p_share));
+        IF NOT EXISTS (
+            SELECT FROM helix_quota_shares AS s
+            WHERE s.id = p_share AND s.organization_id = v_org AND s.until > clock_timestamp()
+        ) THEN
+            RAISE EXCEPTION 'the share % of organization %''s quota has ended', p_share, v_org
+                USING ERRCODE = 'HL005';
+        END IF;
+    ELSE
+        -- As helix_acquire_job_lock_within_quota: counted under the organization's quota lock,
+        -- the room its shares hold back taken back when it is needed, before any pair is locked.
+        PERFORM pg_advisory_xact_lock(helix_quota_lock_key(v_org));
         SELECT count(*) INTO v_live FROM helix_holds AS h WHERE h.organization_id = v_org;
+        SELECT coalesce(sum(s.room), 0) INTO v_shared FROM helix_quota_shares AS s
+        WHERE s.organization_id = v_org;
+        IF v_live + v_shared + v_pairs > p_quota THEN
+            FOR v_share IN
+                SELECT s.id FROM helix_quota_shares AS s WHERE s.organization_id = v_org ORDER BY s.id
+            LOOP
+                PERFORM pg_advisory_xact_lock(helix_quota_share_class(v_share), helix_quota_share_key(v_share));
+                DELETE FROM helix_quota_shares AS s WHERE s.organization_id = v_org AND s.id = v_share;
+            END LOOP;
+            SELECT count(*) INTO v_live FROM helix_holds AS h WHERE h.organization_id = v_org;
+        END IF;
     END IF;
     IF (SELECT count(*) FROM helix_holds AS h
         WHERE h.session_id = p_session.id AND h.organization_id = v_org) + v_pairs > p_locks_limit THEN
@@ -351,10 +398,16 @@ BEGIN
             DETAIL = (coalesce(nullif(v_detail, '')::jsonb, '{}') || jsonb_build_object('job_type', v_job_type))::text;
     END;
 
-    SELECT count(*) INTO v_after FROM helix_holds AS h WHERE h.organization_id = v_org;
-    IF v_after > v_live AND v_after > p_quota THEN
-        RAISE EXCEPTION 'organization % has its quota of live locks', v_org
-            USING ERRCODE = 'HL004', DETAIL = p_quota::text;
+    -- The session's lease ran out while the grants waited: nothing is added to it.
+    IF NOT p_lengthen AND v_expires <= clock_timestamp() THEN
+        RAISE EXCEPTION 'the lease of session % has run out: renew it first', p_session.id
+            USING ERRCODE = 'HL010', DETAIL = json_build_object('expires_at', v_expires)::text;
+    END IF;
+    IF v_live IS NOT NULL THEN
+        IF (SELECT count(*) FROM helix_holds AS h WHERE h.organization_id = v_org) > greatest(v_live, p_quota) THEN
+            RAISE EXCEPTION 'organization % has its quota of live locks', v_org
+                USING ERRCODE = 'HL004', DETAIL = p_quota::text;
+        END IF;
     END IF;
 
     UPDATE helix_holds AS h SET session_id = p_session.id, token = p_session.token, expires_at = v_expires
@@ -362,6 +415,7 @@ BEGIN
     IF v_expires IS DISTINCT FROM p_session.expires_at THEN
         UPDATE helix_sessions AS s SET expires_at = v_expires WHERE s.id = p_session.id;
     END IF;
+    RETURN v_ids;
 END $function$;
 
 -- What every session call answers: the session, and its unreleased locks, one row each (one row
@@ -400,12 +454,12 @@ AS $function$
 $function$;
 
 -- POST /v1/sessions: opens a session and grants its locks in one statement, all or none; a
--- repeat (same organization and Idempotency-Key, the session open) answers the open session.
--- HL009 past the organization's bound on open sessions.
+-- repeat (same organization, holder and Idempotency-Key, the session open and whole) answers the
+-- open session. HL009 past the organization's bound on open sessions.
 CREATE FUNCTION helix_open_session(
     p_organization_id text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text,
-    p_job_types text[], p_max_holders integer[], p_quota integer, p_sessions_limit integer,
-    p_locks_limit integer
+    p_job_types text[], p_max_holders integer[], p_quota integer, p_share bigint,
+    p_sessions_limit integer, p_locks_limit integer
 )
  RETURNS SETOF helix_session_answer
  LANGUAGE plpgsql
@@ -417,37 +471,44 @@ DECLARE
     v_session helix_sessions%ROWTYPE;
     v_now timestamptz;
 BEGIN
-    -- One open at a time per organization: the bound on its open sessions, and a repeat that
-    -- finds the session its first call made.
-    PERFORM pg_advisory_xact_lock(helix_quota_lock_key(p_organization_id));
     IF p_idempotency_key IS NOT NULL THEN
+        -- One call of a key at a time: a repeat finds the session its first call made.
+        PERFORM pg_advisory_xact_lock(
+            hashtextextended('helix_session_key/' || p_organization_id || '/' || p_idempotency_key, 0)
+        );
         SELECT * INTO v_session FROM helix_sessions AS s
         WHERE s.organization_id = p_organization_id AND s.idempotency_key = p_idempotency_key
-          AND s.ended_at IS NULL AND s.holder = p_holder AND s.expires_at > clock_timestamp();
+          AND s.ended_at IS NULL AND s.holder = p_holder AND s.expires_at > clock_timestamp()
+        FOR UPDATE;
         IF FOUND THEN
-            RETURN QUERY SELECT * FROM helix_session_answer(v_session.id, p_organization_id, false, true);
-            RETURN;
+            PERFORM helix_lock_session_holds(v_session, false);
+            IF NOT helix_session_lost(v_session) THEN
+                RETURN QUERY SELECT * FROM helix_session_answer(v_session.id, p_organization_id, false, true);
+                RETURN;
+            END IF;
+            -- It lost a lock: no longer the set asked for, so no answer to repeat. It ends, and
+            -- this call opens a session anew.
+            PERFORM helix_end_session(v_session, clock_timestamp(), 'lost');
         END IF;
-    END IF;
-    IF (SELECT count(*) FROM helix_sessions AS s
-        WHERE s.organization_id = p_organization_id AND s.ended_at IS NULL
-          AND s.expires_at > clock_timestamp()) >= p_sessions_limit THEN
-        RAISE EXCEPTION 'organization % has its bound of open sessions', p_organization_id
-            USING ERRCODE = 'HL009', DETAIL = p_sessions_limit::text;
     END IF;
     v_now := clock_timestamp();
     INSERT INTO helix_sessions AS s (organization_id, holder, token, metadata, idempotency_key, created_at, expires_at)
     VALUES (p_organization_id, p_holder, helix_new_token(), p_metadata, p_idempotency_key, v_now, v_now + v_lease)
     RETURNING s.* INTO v_session;
-    PERFORM helix_grant_session_locks(v_session, p_job_types, p_max_holders, p_ttl_ms, p_quota, p_locks_limit, true);
+    PERFORM helix_grant_session_locks(
+        v_session, p_job_types, p_max_holders, p_ttl_ms, p_quota, p_share, p_locks_limit, true
+    );
+    PERFORM helix_session_count_lock(v_session, p_sessions_limit);
     RETURN QUERY SELECT * FROM helix_session_answer(v_session.id, p_organization_id, false, false);
 END $function$;
 
 -- POST /v1/sessions/{id}/locks: grants more locks to an open session whose lease has not run
--- out (HL010 when it has: renew it first), all or none, with the session's lease.
+-- out (HL010 when it has, or runs out while the grants wait: renew it first), all or none, with
+-- the session's lease; the answer lists those added. A session that had lost a lock ends
+-- instead, as at its renewal (session_state ended, end_reason lost).
 CREATE FUNCTION helix_add_session_locks(
     p_session_id bigint, p_token text, p_organization_id text, p_job_types text[],
-    p_max_holders integer[], p_quota integer, p_locks_limit integer
+    p_max_holders integer[], p_quota integer, p_share bigint, p_locks_limit integer
 )
  RETURNS SETOF helix_session_answer
  LANGUAGE plpgsql
@@ -457,25 +518,35 @@ AS $function$
 DECLARE
     v_session helix_sessions%ROWTYPE := helix_session_for_holder(p_session_id, p_token, p_organization_id);
     v_left bigint;
+    v_ids bigint[];
 BEGIN
+    PERFORM helix_lock_session_holds(v_session, false);
+    IF helix_session_lost(v_session) THEN
+        PERFORM helix_end_session(v_session, clock_timestamp(), 'lost');
+        RETURN QUERY SELECT * FROM helix_session_answer(p_session_id, p_organization_id, false, false);
+        RETURN;
+    END IF;
     v_left := floor(extract(epoch FROM v_session.expires_at - clock_timestamp()) * 1000);
     IF v_left <= 0 THEN
         RAISE EXCEPTION 'the lease of session % has run out: renew it first', p_session_id
             USING ERRCODE = 'HL010', DETAIL = json_build_object('expires_at', v_session.expires_at)::text;
     END IF;
-    PERFORM helix_grant_session_locks(
-        v_session, p_job_types, p_max_holders, greatest(v_left, 1000), p_quota, p_locks_limit, false
+    v_ids := helix_grant_session_locks(
+        v_session, p_job_types, p_max_holders, greatest(v_left, 1000), p_quota, p_share, p_locks_limit, false
     );
     RETURN QUERY
         SELECT * FROM helix_session_answer(p_session_id, p_organization_id, false, false) AS a
-        WHERE a.id IS NULL OR a.job_type = ANY (p_job_types);
+        WHERE a.id = ANY (v_ids);
 END $function$;
 
 -- POST /v1/sessions/{id}/renew: one new lease from the database clock for the session and every
--- one of its holds; a session whose lease ran out is renewed too (lapsed) if it lost no lock.
--- One that lost a lock (reclaimed or forced) ends instead, its other locks released: the
--- answer's session_state says 'ended', end_reason 'lost'.
-CREATE FUNCTION helix_renew_session(p_session_id bigint, p_token text, p_ttl_ms bigint, p_organization_id text)
+-- one of its holds; a session whose lease ran out is renewed too (lapsed) if it lost no lock,
+-- and counts as open again (HL009 past the organization's bound). One that lost a lock (reclaimed
+-- or forced) ends instead, its other locks released: the answer's session_state says 'ended',
+-- end_reason 'lost'.
+CREATE FUNCTION helix_renew_session(
+    p_session_id bigint, p_token text, p_ttl_ms bigint, p_organization_id text, p_sessions_limit integer
+)
  RETURNS SETOF helix_session_answer
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -487,12 +558,15 @@ DECLARE
     v_session helix_sessions%ROWTYPE := helix_session_for_holder(p_session_id, p_token, p_organization_id);
     v_now timestamptz;
 BEGIN
-    PERFORM helix_lock_session_holds(v_session);
+    PERFORM helix_lock_session_holds(v_session, false);
     v_now := clock_timestamp();  -- under the row locks
     IF helix_session_lost(v_session) THEN
         PERFORM helix_end_session(v_session, v_now, 'lost');
         RETURN QUERY SELECT * FROM helix_session_answer(p_session_id, p_organization_id, false, false);
         RETURN;
+    END IF;
+    IF v_session.expires_at <= v_now THEN
+        PERFORM helix_session_count_lock(v_session, p_sessions_limit);
     END IF;
     -- HOT updates: nothing they change is indexed.
     UPDATE helix_holds AS h SET expires_at = v_now + v_lease, renewed_at = v_now
@@ -515,7 +589,7 @@ DECLARE
     v_now timestamptz;
     v_reason text;
 BEGIN
-    PERFORM helix_lock_session_holds(v_session);
+    PERFORM helix_lock_session_holds(v_session, true);
     v_now := clock_timestamp();
     v_reason := CASE WHEN helix_session_lost(v_session) THEN 'lost' ELSE 'released' END;
     PERFORM helix_end_session(v_session, v_now, v_reason);
@@ -547,12 +621,13 @@ BEGIN
 END $function$;
 
 REVOKE EXECUTE ON FUNCTION helix_session_for_holder(bigint,text,text), helix_session_lost(helix_sessions),
-    helix_end_session(helix_sessions,timestamptz,text), helix_lock_session_holds(helix_sessions),
-    helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,integer,boolean),
+    helix_end_session(helix_sessions,timestamptz,text), helix_lock_session_holds(helix_sessions,boolean),
+    helix_session_count_lock(helix_sessions,integer),
+    helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean),
     helix_session_answer(bigint,text,boolean,boolean),
-    helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,integer,integer),
-    helix_add_session_locks(bigint,text,text,text[],integer[],integer,integer),
-    helix_renew_session(bigint,text,bigint,text), helix_close_session(bigint,text,text),
+    helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer),
+    helix_add_session_locks(bigint,text,text,text[],integer[],integer,bigint,integer),
+    helix_renew_session(bigint,text,bigint,text,integer), helix_close_session(bigint,text,text),
     helix_prune_sessions(interval,integer)
 FROM PUBLIC;
 
@@ -562,11 +637,12 @@ COMMENT ON FUNCTION helix_renew_job_lock(bigint,text,bigint,text) IS 'A holder''
 COMMENT ON FUNCTION helix_session_for_holder(bigint,text,text) IS 'The session if p_token is its token and it is open, row-locked; else HL011 (none in the organization), HL002 (another token) or HL007 (ended: when and why in DETAIL).';
 COMMENT ON FUNCTION helix_session_lost(helix_sessions) IS 'Whether a lock of the session ended otherwise than by its holder''s release (reclaimed or forced): asked with the session''s holds row-locked.';
 COMMENT ON FUNCTION helix_end_session(helix_sessions,timestamptz,text) IS 'Releases the session''s holds that are left, in one statement, and ends the session as p_reason.';
-COMMENT ON FUNCTION helix_lock_session_holds(helix_sessions) IS 'Row-locks a session''s holds in (organization, job type, slot) order, the order every path takes them; returns how many.';
-COMMENT ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,integer,boolean) IS 'Grants pairs to a session all or none, each by helix_acquire_job_lock in job type order (a refusal raised with its job_type in DETAIL), under the organization''s quota lock (HL004) and the bound on a session''s locks (HL008); the holds take the session''s token and lease.';
+COMMENT ON FUNCTION helix_lock_session_holds(helix_sessions,boolean) IS 'Row-locks a session''s holds in (organization, job type, slot) order, the order every path takes them: FOR UPDATE to end them, else FOR NO KEY UPDATE (a writer''s fencing check never makes a renewal wait); returns how many.';
+COMMENT ON FUNCTION helix_session_count_lock(helix_sessions,integer) IS 'HL009 when the organization has p_limit open sessions (not ended, lease running) besides this one: under its session count advisory lock, which every path takes last.';
+COMMENT ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean) IS 'Grants pairs to a session all or none, each by helix_acquire_job_lock in job type order (a refusal raised with its job_type in DETAIL), on a share of the quota (HL005 once gone) or the exact way under the organization''s quota lock (HL004), within the bound on a session''s locks (HL008); the holds take the session''s token and lease (HL010 if an added lock''s ran out meanwhile). Returns the locks'' ids.';
 COMMENT ON FUNCTION helix_session_answer(bigint,text,boolean,boolean) IS 'A session (of the organization, unless NULL) and its unreleased locks, one row per lock (one with NULL lock columns when it has none).';
-COMMENT ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,integer,integer) IS 'POST /v1/sessions: opens a session and grants its locks in one statement, all or none, or answers the open session of a repeat (same organization, holder and Idempotency-Key); HL009 past the bound on open sessions.';
-COMMENT ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,integer) IS 'POST /v1/sessions/{id}/locks: grants more locks to an open session, all or none, with its lease; HL010 when its lease has run out.';
-COMMENT ON FUNCTION helix_renew_session(bigint,text,bigint,text) IS 'POST /v1/sessions/{id}/renew: a new lease for the session and each of its holds in one statement (lapsed: it had run out); a session that lost a lock ends instead, its other locks released (session_state ended, end_reason lost).';
+COMMENT ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer) IS 'POST /v1/sessions: opens a session and grants its locks in one statement, all or none, or answers the open session of a repeat (same organization, holder and Idempotency-Key) unless it lost a lock; HL009 past the bound on open sessions.';
+COMMENT ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,bigint,integer) IS 'POST /v1/sessions/{id}/locks: grants more locks to an open session, all or none, with its lease (the answer lists them); HL010 when its lease has run out; a session that lost a lock ends instead (session_state ended).';
+COMMENT ON FUNCTION helix_renew_session(bigint,text,bigint,text,integer) IS 'POST /v1/sessions/{id}/renew: a new lease for the session and each of its holds in one statement (lapsed: it had run out, and it counts against the bound on open sessions again: HL009); a session that lost a lock ends instead, its other locks released (session_state ended, end_reason lost).';
 COMMENT ON FUNCTION helix_close_session(bigint,text,text) IS 'DELETE /v1/sessions/{id}: releases the session''s locks and ends it in one statement; end_reason lost when it had lost a lock.';
 COMMENT ON FUNCTION helix_prune_sessions(interval,integer) IS 'Retention: deletes a batch of sessions that ended, or whose lease ran out, before the window, and have no live lock left.';

@@ -135,7 +135,7 @@ COMMENT ON COLUMN helix_holds.expired_xid IS 'The transaction that announced tha
 COMMENT ON COLUMN helix_holds.lapse_xids IS 'Beside lapses, the transaction that announced each of those expiries (GET /v1/events).';
 COMMENT ON COLUMN helix_holds.session_id IS 'The session the lock belongs to (helix_sessions), whose token and lease it shares; NULL: a lock on its own.';
 CREATE UNIQUE INDEX helix_holds_id ON public.helix_holds USING btree (id);
-CREATE INDEX helix_holds_session ON public.helix_holds USING btree (session_id) WHERE (session_id IS NOT NULL);
+CREATE INDEX helix_holds_session ON public.helix_holds USING btree (organization_id, session_id) WHERE (session_id IS NOT NULL);
 CREATE TRIGGER helix_hold_changed BEFORE INSERT OR UPDATE ON helix_holds FOR EACH ROW EXECUTE FUNCTION helix_hold_changed();
 CREATE TRIGGER helix_lease_shortened AFTER UPDATE OF expires_at ON helix_holds FOR EACH ROW WHEN (new.expires_at < old.expires_at) EXECUTE FUNCTION helix_lock_released();
 CREATE TRIGGER helix_metadata_bounded BEFORE INSERT OR UPDATE OF metadata ON helix_holds FOR EACH ROW WHEN (new.metadata IS NOT NULL) EXECUTE FUNCTION helix_metadata_bounded();
@@ -212,7 +212,7 @@ CREATE INDEX helix_lock_history_by_organization ON public.helix_lock_history USI
 CREATE INDEX helix_lock_history_ended ON public.helix_lock_history USING brin (ended_xid) WITH (pages_per_range='4', autosummarize='on');
 CREATE INDEX helix_lock_history_ended_by_organization ON public.helix_lock_history USING btree (organization_id, ended_xid);
 CREATE INDEX helix_lock_history_newest ON public.helix_lock_history USING btree (released_at DESC, id DESC);
-CREATE INDEX helix_lock_history_session ON public.helix_lock_history USING btree (session_id) WHERE (session_id IS NOT NULL);
+CREATE INDEX helix_lock_history_session ON public.helix_lock_history USING btree (organization_id, session_id) WHERE (session_id IS NOT NULL);
 CREATE TRIGGER helix_lock_released AFTER INSERT ON helix_lock_history FOR EACH ROW EXECUTE FUNCTION helix_lock_released();
 
 CREATE TABLE helix_lock_keys (
@@ -676,7 +676,7 @@ END $function$;
 REVOKE EXECUTE ON FUNCTION helix_acquire_job_lock_within_quota(text,text,text,bigint,jsonb,text,integer,integer) FROM PUBLIC;
 COMMENT ON FUNCTION helix_acquire_job_lock_within_quota(text,text,text,bigint,jsonb,text,integer,integer) IS 'helix_acquire_job_lock near the quota: counted and granted under the quota''s advisory lock held exclusively, holding back the room of the shares, or taking them back (waiting for the acquires in flight on them) when it needs it; HL004 beyond the quota. A repeat is judged by what the call itself did (migration 0020).';
 
-CREATE OR REPLACE FUNCTION public.helix_add_session_locks(p_session_id bigint, p_token text, p_organization_id text, p_job_types text[], p_max_holders integer[], p_quota integer, p_locks_limit integer)
+CREATE OR REPLACE FUNCTION public.helix_add_session_locks(p_session_id bigint, p_token text, p_organization_id text, p_job_types text[], p_max_holders integer[], p_quota integer, p_share bigint, p_locks_limit integer)
  RETURNS SETOF helix_session_answer
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -685,21 +685,28 @@ AS $function$
 DECLARE
     v_session helix_sessions%ROWTYPE := helix_session_for_holder(p_session_id, p_token, p_organization_id);
     v_left bigint;
+    v_ids bigint[];
 BEGIN
+    PERFORM helix_lock_session_holds(v_session, false);
+    IF helix_session_lost(v_session) THEN
+        PERFORM helix_end_session(v_session, clock_timestamp(), 'lost');
+        RETURN QUERY SELECT * FROM helix_session_answer(p_session_id, p_organization_id, false, false);
+        RETURN;
+    END IF;
     v_left := floor(extract(epoch FROM v_session.expires_at - clock_timestamp()) * 1000);
     IF v_left <= 0 THEN
         RAISE EXCEPTION 'the lease of session % has run out: renew it first', p_session_id
             USING ERRCODE = 'HL010', DETAIL = json_build_object('expires_at', v_session.expires_at)::text;
     END IF;
-    PERFORM helix_grant_session_locks(
-        v_session, p_job_types, p_max_holders, greatest(v_left, 1000), p_quota, p_locks_limit, false
+    v_ids := helix_grant_session_locks(
+        v_session, p_job_types, p_max_holders, greatest(v_left, 1000), p_quota, p_share, p_locks_limit, false
     );
     RETURN QUERY
         SELECT * FROM helix_session_answer(p_session_id, p_organization_id, false, false) AS a
-        WHERE a.id IS NULL OR a.job_type = ANY (p_job_types);
+        WHERE a.id = ANY (v_ids);
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,integer) FROM PUBLIC;
-COMMENT ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,integer) IS 'POST /v1/sessions/{id}/locks: grants more locks to an open session, all or none, with its lease; HL010 when its lease has run out.';
+REVOKE EXECUTE ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,bigint,integer) FROM PUBLIC;
+COMMENT ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,bigint,integer) IS 'POST /v1/sessions/{id}/locks: grants more locks to an open session, all or none, with its lease (the answer lists them); HL010 when its lease has run out; a session that lost a lock ends instead (session_state ended).';
 
 CREATE OR REPLACE FUNCTION public.helix_announce_expiries(p_limit integer)
  RETURNS integer
@@ -797,7 +804,7 @@ DECLARE
     v_now timestamptz;
     v_reason text;
 BEGIN
-    PERFORM helix_lock_session_holds(v_session);
+    PERFORM helix_lock_session_holds(v_session, true);
     v_now := clock_timestamp();
     v_reason := CASE WHEN helix_session_lost(v_session) THEN 'lost' ELSE 'released' END;
     PERFORM helix_end_session(v_session, v_now, v_reason);
@@ -867,6 +874,7 @@ CREATE OR REPLACE FUNCTION public.helix_end_session(p_session helix_sessions, p_
  LANGUAGE plpgsql
 AS $function$
 BEGIN
+    PERFORM helix_lock_session_holds(p_session, true);
     PERFORM helix_end_holds(
         ARRAY(
             SELECT h.id FROM helix_holds AS h
@@ -930,15 +938,14 @@ END $function$;
 REVOKE EXECUTE ON FUNCTION helix_force_release_job_lock(bigint,text) FROM PUBLIC;
 COMMENT ON FUNCTION helix_force_release_job_lock(bigint,text) IS 'An admin''s release of a live lock, without its token: ends it as forced, with the admin key''s id in forced_by; HL001 or HL003 when there is no live lock of that id.';
 
-CREATE OR REPLACE FUNCTION public.helix_grant_session_locks(p_session helix_sessions, p_job_types text[], p_max_holders integer[], p_ttl_ms bigint, p_quota integer, p_locks_limit integer, p_lengthen boolean)
- RETURNS void
+CREATE OR REPLACE FUNCTION public.helix_grant_session_locks(p_session helix_sessions, p_job_types text[], p_max_holders integer[], p_ttl_ms bigint, p_quota integer, p_share bigint, p_locks_limit integer, p_lengthen boolean)
+ RETURNS bigint[]
  LANGUAGE plpgsql
 AS $function$
 DECLARE
     v_org text := p_session.organization_id;
     v_pairs integer := coalesce(cardinality(p_job_types), 0);
-    v_live bigint;  -- the organization's live locks before the grants
-    v_after bigint;
+    v_live bigint;  -- the organization's live locks before the grants (the exact way)
     v_shared bigint;
     v_share bigint;
     v_job_type text;
@@ -950,31 +957,41 @@ DECLARE
     v_message text;
     v_detail text;
     v_constraint text;
-    v_column text;
 BEGIN
     IF v_pairs = 0 THEN
-        RETURN;
+        RETURN v_ids;
     END IF;
     IF cardinality(p_max_holders) <> v_pairs
        OR (SELECT count(DISTINCT j) FROM unnest(p_job_types) AS j) <> v_pairs THEN
         RAISE EXCEPTION 'a session''s locks name distinct job types, each with its max_holders'
             USING ERRCODE = 'invalid_parameter_value', COLUMN = 'locks';
     END IF;
-    -- As the exact way of the quota (helix_acquire_job_lock_within_quota): counted under the
-    -- organization's quota lock, the room its shares hold back taken back when it is needed,
-    -- before any pair is locked (an acquire on a share waits for a pair, never for the quota).
-    PERFORM pg_advisory_xact_lock(helix_quota_lock_key(v_org));
-    SELECT count(*) INTO v_live FROM helix_holds AS h WHERE h.organization_id = v_org;
-    SELECT coalesce(sum(s.room), 0) INTO v_shared FROM helix_quota_shares AS s
-    WHERE s.organization_id = v_org;
-    IF v_live + v_shared + v_pairs > p_quota THEN
-        FOR v_share IN
-            SELECT s.id FROM helix_quota_shares AS s WHERE s.organization_id = v_org ORDER BY s.id
-        LOOP
-            PERFORM pg_advisory_xact_lock(helix_quota_share_class(v_share), helix_quota_share_key(v_share));
-            DELETE FROM helix_quota_shares AS s WHERE s.organization_id = v_org AND s.id = v_share;
-        END LOOP;
+    IF p_share IS NOT NULL THEN
+        -- As helix_acquire_job_lock_on_share: the share stays until this transaction commits.
+        PERFORM pg_advisory_xact_lock_shared(helix_quota_share_class(p_share), helix_quota_share_key(p_share));
+        IF NOT EXISTS (
+            SELECT FROM helix_quota_shares AS s
+            WHERE s.id = p_share AND s.organization_id = v_org AND s.until > clock_timestamp()
+        ) THEN
+            RAISE EXCEPTION 'the share % of organization %''s quota has ended', p_share, v_org
+                USING ERRCODE = 'HL005';
+        END IF;
+    ELSE
+        -- As helix_acquire_job_lock_within_quota: counted under the organization's quota lock,
+        -- the room its shares hold back taken back when it is needed, before any pair is locked.
+        PERFORM pg_advisory_xact_lock(helix_quota_lock_key(v_org));
         SELECT count(*) INTO v_live FROM helix_holds AS h WHERE h.organization_id = v_org;
+        SELECT coalesce(sum(s.room), 0) INTO v_shared FROM helix_quota_shares AS s
+        WHERE s.organization_id = v_org;
+        IF v_live + v_shared + v_pairs > p_quota THEN
+            FOR v_share IN
+                SELECT s.id FROM helix_quota_shares AS s WHERE s.organization_id = v_org ORDER BY s.id
+            LOOP
+                PERFORM pg_advisory_xact_lock(helix_quota_share_class(v_share), helix_quota_share_key(v_share));
+                DELETE FROM helix_quota_shares AS s WHERE s.organization_id = v_org AND s.id = v_share;
+            END LOOP;
+            SELECT count(*) INTO v_live FROM helix_holds AS h WHERE h.organization_id = v_org;
+        END IF;
     END IF;
     IF (SELECT count(*) FROM helix_holds AS h
         WHERE h.session_id = p_session.id AND h.organization_id = v_org) + v_pairs > p_locks_limit THEN
@@ -1008,10 +1025,16 @@ BEGIN
             DETAIL = (coalesce(nullif(v_detail, '')::jsonb, '{}') || jsonb_build_object('job_type', v_job_type))::text;
     END;
 
-    SELECT count(*) INTO v_after FROM helix_holds AS h WHERE h.organization_id = v_org;
-    IF v_after > v_live AND v_after > p_quota THEN
-        RAISE EXCEPTION 'organization % has its quota of live locks', v_org
-            USING ERRCODE = 'HL004', DETAIL = p_quota::text;
+    -- The session's lease ran out while the grants waited: nothing is added to it.
+    IF NOT p_lengthen AND v_expires <= clock_timestamp() THEN
+        RAISE EXCEPTION 'the lease of session % has run out: renew it first', p_session.id
+            USING ERRCODE = 'HL010', DETAIL = json_build_object('expires_at', v_expires)::text;
+    END IF;
+    IF v_live IS NOT NULL THEN
+        IF (SELECT count(*) FROM helix_holds AS h WHERE h.organization_id = v_org) > greatest(v_live, p_quota) THEN
+            RAISE EXCEPTION 'organization % has its quota of live locks', v_org
+                USING ERRCODE = 'HL004', DETAIL = p_quota::text;
+        END IF;
     END IF;
 
     UPDATE helix_holds AS h SET session_id = p_session.id, token = p_session.token, expires_at = v_expires
@@ -1019,9 +1042,10 @@ BEGIN
     IF v_expires IS DISTINCT FROM p_session.expires_at THEN
         UPDATE helix_sessions AS s SET expires_at = v_expires WHERE s.id = p_session.id;
     END IF;
+    RETURN v_ids;
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,integer,boolean) FROM PUBLIC;
-COMMENT ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,integer,boolean) IS 'Grants pairs to a session all or none, each by helix_acquire_job_lock in job type order (a refusal raised with its job_type in DETAIL), under the organization''s quota lock (HL004) and the bound on a session''s locks (HL008); the holds take the session''s token and lease.';
+REVOKE EXECUTE ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean) FROM PUBLIC;
+COMMENT ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean) IS 'Grants pairs to a session all or none, each by helix_acquire_job_lock in job type order (a refusal raised with its job_type in DETAIL), on a share of the quota (HL005 once gone) or the exact way under the organization''s quota lock (HL004), within the bound on a session''s locks (HL008); the holds take the session''s token and lease (HL010 if an added lock''s ran out meanwhile). Returns the locks'' ids.';
 
 CREATE OR REPLACE FUNCTION public.helix_hold_changed()
  RETURNS trigger
@@ -1206,23 +1230,32 @@ BEGIN
 END $function$;
 COMMENT ON FUNCTION helix_lock_released() IS 'Trigger on the end of a lock (a history row inserted) and on a shortened lease: a NOTIFY on helix_lock_released with organization/job_type, only while an acquire waits for that pair (helix_lock_waiters), since every NOTIFY queues its transaction behind the others'' commits (migration 0008).';
 
-CREATE OR REPLACE FUNCTION public.helix_lock_session_holds(p_session helix_sessions)
+CREATE OR REPLACE FUNCTION public.helix_lock_session_holds(p_session helix_sessions, p_to_end boolean)
  RETURNS integer
  LANGUAGE plpgsql
 AS $function$
 DECLARE
     v_count integer;
 BEGIN
-    SELECT count(*) INTO v_count FROM (
-        SELECT FROM helix_holds AS h
-        WHERE h.session_id = p_session.id AND h.organization_id = p_session.organization_id
-        ORDER BY h.organization_id, h.job_type COLLATE "C", h.slot
-        FOR UPDATE
-    ) AS locked;
+    IF p_to_end THEN
+        SELECT count(*) INTO v_count FROM (
+            SELECT FROM helix_holds AS h
+            WHERE h.session_id = p_session.id AND h.organization_id = p_session.organization_id
+            ORDER BY h.organization_id, h.job_type COLLATE "C", h.slot
+            FOR UPDATE
+        ) AS locked;
+    ELSE
+        SELECT count(*) INTO v_count FROM (
+            SELECT FROM helix_holds AS h
+            WHERE h.session_id = p_session.id AND h.organization_id = p_session.organization_id
+            ORDER BY h.organization_id, h.job_type COLLATE "C", h.slot
+            FOR NO KEY UPDATE
+        ) AS locked;
+    END IF;
     RETURN v_count;
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_lock_session_holds(helix_sessions) FROM PUBLIC;
-COMMENT ON FUNCTION helix_lock_session_holds(helix_sessions) IS 'Row-locks a session''s holds in (organization, job type, slot) order, the order every path takes them; returns how many.';
+REVOKE EXECUTE ON FUNCTION helix_lock_session_holds(helix_sessions,boolean) FROM PUBLIC;
+COMMENT ON FUNCTION helix_lock_session_holds(helix_sessions,boolean) IS 'Row-locks a session''s holds in (organization, job type, slot) order, the order every path takes them: FOR UPDATE to end them, else FOR NO KEY UPDATE (a writer''s fencing check never makes a renewal wait); returns how many.';
 
 CREATE OR REPLACE FUNCTION public.helix_metadata_bounded()
  RETURNS trigger
@@ -1253,7 +1286,7 @@ END $function$;
 REVOKE EXECUTE ON FUNCTION helix_new_token() FROM PUBLIC;
 COMMENT ON FUNCTION helix_new_token() IS 'A new lock token: 32 hex digits, the random ones of two version-4 UUIDs (128 random bits).';
 
-CREATE OR REPLACE FUNCTION public.helix_open_session(p_organization_id text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text, p_job_types text[], p_max_holders integer[], p_quota integer, p_sessions_limit integer, p_locks_limit integer)
+CREATE OR REPLACE FUNCTION public.helix_open_session(p_organization_id text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text, p_job_types text[], p_max_holders integer[], p_quota integer, p_share bigint, p_sessions_limit integer, p_locks_limit integer)
  RETURNS SETOF helix_session_answer
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -1264,33 +1297,38 @@ DECLARE
     v_session helix_sessions%ROWTYPE;
     v_now timestamptz;
 BEGIN
-    -- One open at a time per organization: the bound on its open sessions, and a repeat that
-    -- finds the session its first call made.
-    PERFORM pg_advisory_xact_lock(helix_quota_lock_key(p_organization_id));
     IF p_idempotency_key IS NOT NULL THEN
+        -- One call of a key at a time: a repeat finds the session its first call made.
+        PERFORM pg_advisory_xact_lock(
+            hashtextextended('helix_session_key/' || p_organization_id || '/' || p_idempotency_key, 0)
+        );
         SELECT * INTO v_session FROM helix_sessions AS s
         WHERE s.organization_id = p_organization_id AND s.idempotency_key = p_idempotency_key
-          AND s.ended_at IS NULL AND s.holder = p_holder AND s.expires_at > clock_timestamp();
+          AND s.ended_at IS NULL AND s.holder = p_holder AND s.expires_at > clock_timestamp()
+        FOR UPDATE;
         IF FOUND THEN
-            RETURN QUERY SELECT * FROM helix_session_answer(v_session.id, p_organization_id, false, true);
-            RETURN;
+            PERFORM helix_lock_session_holds(v_session, false);
+            IF NOT helix_session_lost(v_session) THEN
+                RETURN QUERY SELECT * FROM helix_session_answer(v_session.id, p_organization_id, false, true);
+                RETURN;
+            END IF;
+            -- It lost a lock: no longer the set asked for, so no answer to repeat. It ends, and
+            -- this call opens a session anew.
+            PERFORM helix_end_session(v_session, clock_timestamp(), 'lost');
         END IF;
-    END IF;
-    IF (SELECT count(*) FROM helix_sessions AS s
-        WHERE s.organization_id = p_organization_id AND s.ended_at IS NULL
-          AND s.expires_at > clock_timestamp()) >= p_sessions_limit THEN
-        RAISE EXCEPTION 'organization % has its bound of open sessions', p_organization_id
-            USING ERRCODE = 'HL009', DETAIL = p_sessions_limit::text;
     END IF;
     v_now := clock_timestamp();
     INSERT INTO helix_sessions AS s (organization_id, holder, token, metadata, idempotency_key, created_at, expires_at)
     VALUES (p_organization_id, p_holder, helix_new_token(), p_metadata, p_idempotency_key, v_now, v_now + v_lease)
     RETURNING s.* INTO v_session;
-    PERFORM helix_grant_session_locks(v_session, p_job_types, p_max_holders, p_ttl_ms, p_quota, p_locks_limit, true);
+    PERFORM helix_grant_session_locks(
+        v_session, p_job_types, p_max_holders, p_ttl_ms, p_quota, p_share, p_locks_limit, true
+    );
+    PERFORM helix_session_count_lock(v_session, p_sessions_limit);
     RETURN QUERY SELECT * FROM helix_session_answer(v_session.id, p_organization_id, false, false);
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,integer,integer) FROM PUBLIC;
-COMMENT ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,integer,integer) IS 'POST /v1/sessions: opens a session and grants its locks in one statement, all or none, or answers the open session of a repeat (same organization, holder and Idempotency-Key); HL009 past the bound on open sessions.';
+REVOKE EXECUTE ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer) FROM PUBLIC;
+COMMENT ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer) IS 'POST /v1/sessions: opens a session and grants its locks in one statement, all or none, or answers the open session of a repeat (same organization, holder and Idempotency-Key) unless it lost a lock; HL009 past the bound on open sessions.';
 
 CREATE OR REPLACE FUNCTION public.helix_prune_history(p_older_than interval, p_batch integer)
  RETURNS integer
@@ -1537,7 +1575,7 @@ END $function$;
 REVOKE EXECUTE ON FUNCTION helix_renew_job_lock(bigint,text,bigint,text) FROM PUBLIC;
 COMMENT ON FUNCTION helix_renew_job_lock(bigint,text,bigint,text) IS 'A holder''s renewal: a new lease of p_ttl_ms from the database clock, a HOT update of the hold. Also renews a lease that ran out if nobody reclaimed it, and says so (lapsed). HL001, HL002 or HL003 otherwise; HL006 for a lock of a session, which is renewed with its session (0027).';
 
-CREATE OR REPLACE FUNCTION public.helix_renew_session(p_session_id bigint, p_token text, p_ttl_ms bigint, p_organization_id text)
+CREATE OR REPLACE FUNCTION public.helix_renew_session(p_session_id bigint, p_token text, p_ttl_ms bigint, p_organization_id text, p_sessions_limit integer)
  RETURNS SETOF helix_session_answer
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -1549,12 +1587,15 @@ DECLARE
     v_session helix_sessions%ROWTYPE := helix_session_for_holder(p_session_id, p_token, p_organization_id);
     v_now timestamptz;
 BEGIN
-    PERFORM helix_lock_session_holds(v_session);
+    PERFORM helix_lock_session_holds(v_session, false);
     v_now := clock_timestamp();  -- under the row locks
     IF helix_session_lost(v_session) THEN
         PERFORM helix_end_session(v_session, v_now, 'lost');
         RETURN QUERY SELECT * FROM helix_session_answer(p_session_id, p_organization_id, false, false);
         RETURN;
+    END IF;
+    IF v_session.expires_at <= v_now THEN
+        PERFORM helix_session_count_lock(v_session, p_sessions_limit);
     END IF;
     -- HOT updates: nothing they change is indexed.
     UPDATE helix_holds AS h SET expires_at = v_now + v_lease, renewed_at = v_now
@@ -1563,8 +1604,8 @@ BEGIN
     WHERE s.id = p_session_id;
     RETURN QUERY SELECT * FROM helix_session_answer(p_session_id, p_organization_id, v_session.expires_at <= v_now, false);
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_renew_session(bigint,text,bigint,text) FROM PUBLIC;
-COMMENT ON FUNCTION helix_renew_session(bigint,text,bigint,text) IS 'POST /v1/sessions/{id}/renew: a new lease for the session and each of its holds in one statement (lapsed: it had run out); a session that lost a lock ends instead, its other locks released (session_state ended, end_reason lost).';
+REVOKE EXECUTE ON FUNCTION helix_renew_session(bigint,text,bigint,text,integer) FROM PUBLIC;
+COMMENT ON FUNCTION helix_renew_session(bigint,text,bigint,text,integer) IS 'POST /v1/sessions/{id}/renew: a new lease for the session and each of its holds in one statement (lapsed: it had run out, and it counts against the bound on open sessions again: HL009); a session that lost a lock ends instead, its other locks released (session_state ended, end_reason lost).';
 
 CREATE OR REPLACE FUNCTION public.helix_session_answer(p_session_id bigint, p_organization_id text, p_lapsed boolean, p_replayed boolean)
  RETURNS SETOF helix_session_answer
@@ -1590,6 +1631,22 @@ AS $function$
 $function$;
 REVOKE EXECUTE ON FUNCTION helix_session_answer(bigint,text,boolean,boolean) FROM PUBLIC;
 COMMENT ON FUNCTION helix_session_answer(bigint,text,boolean,boolean) IS 'A session (of the organization, unless NULL) and its unreleased locks, one row per lock (one with NULL lock columns when it has none).';
+
+CREATE OR REPLACE FUNCTION public.helix_session_count_lock(p_session helix_sessions, p_limit integer)
+ RETURNS void
+ LANGUAGE plpgsql
+AS $function$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended('helix_sessions/' || p_session.organization_id, 0));
+    IF (SELECT count(*) FROM helix_sessions AS s
+        WHERE s.organization_id = p_session.organization_id AND s.ended_at IS NULL
+          AND s.expires_at > clock_timestamp() AND s.id <> p_session.id) >= p_limit THEN
+        RAISE EXCEPTION 'organization % has its bound of open sessions', p_session.organization_id
+            USING ERRCODE = 'HL009', DETAIL = p_limit::text;
+    END IF;
+END $function$;
+REVOKE EXECUTE ON FUNCTION helix_session_count_lock(helix_sessions,integer) FROM PUBLIC;
+COMMENT ON FUNCTION helix_session_count_lock(helix_sessions,integer) IS 'HL009 when the organization has p_limit open sessions (not ended, lease running) besides this one: under its session count advisory lock, which every path takes last.';
 
 CREATE OR REPLACE FUNCTION public.helix_session_for_holder(p_session_id bigint, p_token text, p_organization_id text)
  RETURNS helix_sessions

@@ -332,27 +332,30 @@ async def test_another_organizations_key_cannot_see_or_touch_a_session(db_url: s
 
 
 def test_two_calls_wanting_overlapping_pairs_in_opposite_orders_never_deadlock(db_url: str) -> None:
-    """Held open statement by statement: the first call holds a's row and waits for nothing; the
-    second, asking for b and a, locks a first (job type order) and so waits for the first call
-    before it locks b, which the first call then takes without waiting: no cycle."""
+    """Held open statement by statement, on a share of the quota (no lock of the organization's):
+    the first call holds a; the second, asking for b and a, locks a first (job type order) and
+    waits there, holding nothing the first needs; the first then takes b without waiting. Had the
+    second locked b first, each would wait for the other."""
+    open_on_share = "SELECT * FROM helix_open_session('acme', %s, 30000, NULL, NULL, %s, %s, 100, %s, 10, 10)"
     with (
         psycopg.connect(db_url, autocommit=False) as first,
         psycopg.connect(db_url, autocommit=False) as second,
     ):
+        with psycopg.connect(db_url, autocommit=True) as setup:
+            row = setup.execute(
+                "INSERT INTO helix_quota_shares (organization_id, room, until)"
+                " VALUES ('acme', 10, clock_timestamp() + interval '1 hour') RETURNING id"
+            ).fetchone()
+            assert row is not None
+            share = row[0]
         first.execute("SET lock_timeout = '5s'")
         second.execute("SET lock_timeout = '5s'")
-        first.execute(
-            "SELECT * FROM helix_open_session('acme', 'w1', 30000, NULL, NULL, ARRAY['a'], ARRAY[1],"
-            " 100, 10, 10)"
-        )
+        first.execute(open_on_share, ("w1", ["a"], [1], share))
         outcome: list[Any] = []
 
         def second_call() -> None:
             try:
-                second.execute(
-                    "SELECT * FROM helix_open_session('acme', 'w2', 30000, NULL, NULL, ARRAY['b', 'a'],"
-                    " ARRAY[1, 1], 100, 10, 10)"
-                )
+                second.execute(open_on_share, ("w2", ["b", "a"], [1, 1], share))
                 outcome.append("granted")
             except psycopg.Error as exc:
                 outcome.append(exc.sqlstate)
@@ -361,17 +364,112 @@ def test_two_calls_wanting_overlapping_pairs_in_opposite_orders_never_deadlock(d
         thread = threading.Thread(target=second_call)
         thread.start()
         thread.join(0.5)
-        assert thread.is_alive()  # it waits, on the organization's quota lock or on a's row
-        first.execute(
-            "SELECT * FROM helix_open_session('acme', 'w1', 30000, NULL, NULL, ARRAY['b'], ARRAY[1],"
-            " 100, 10, 10)"
-        )
+        assert thread.is_alive()  # it waits for a's row
+        first.execute(open_on_share, ("w1", ["b"], [1], share))  # b is free: no wait
         first.commit()
         thread.join(10)
         assert outcome == ["23505"]  # a was held; nothing of it granted, and no deadlock (40P01)
-        second.rollback()
         held = second.execute("SELECT job_type, holder FROM helix_holds ORDER BY job_type").fetchall()
         assert held == [("a", "w1"), ("b", "w1")]
+
+
+async def test_a_renewal_never_waits_for_a_writers_fencing_check(
+    client: httpx.AsyncClient, db_url: str
+) -> None:
+    """A storage layer's check (helix_fencing_token_is_current, FOR KEY SHARE) held open while it
+    writes: the session's renewal goes on at once, as a lock's does."""
+    opened = await open_session(client, "a", "b")
+    with psycopg.connect(db_url, autocommit=False) as writer:
+        current = writer.execute(
+            "SELECT helix_fencing_token_is_current('acme', 'a', %s)", (opened["locks"][0]["fencing_token"],)
+        ).fetchone()
+        assert current == (True,)
+        renewed = await asyncio.wait_for(
+            client.post(
+                f"/v1/sessions/{opened['id']}/renew",
+                headers={"Lock-Token": opened["token"]},
+                json={"ttl_seconds": 30},
+            ),
+            2,
+        )
+        assert renewed.status_code == 200, renewed.text
+        writer.rollback()
+
+
+async def test_an_opening_waiting_for_a_pair_holds_up_no_other_opening_of_its_organization(
+    client: httpx.AsyncClient, db_url: str
+) -> None:
+    """A session's locks go through on a share of the quota, as acquires do: one opening that
+    waits for a pair's row (here, behind a writer's open fencing check) holds no lock of the whole
+    organization, so another opening of other pairs is answered at once."""
+    await open_session(client, "warm-up")  # the organization's share of the quota is counted
+    held = await acquire(client, job_type="x", ttl_seconds=1)
+    with psycopg.connect(db_url, autocommit=False) as writer:
+        writer.execute("SELECT helix_fencing_token_is_current('acme', 'x', %s)", (held["fencing_token"],))
+        await asyncio.sleep(1.1)  # x's lease runs out: an opening would reclaim it, after the writer
+        waiting = asyncio.create_task(client.post("/v1/sessions", json=session_body("x", "y", holder="w2")))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()
+        other = await asyncio.wait_for(client.post("/v1/sessions", json=session_body("z", holder="w3")), 2)
+        assert other.status_code == 201, other.text
+        writer.rollback()
+    assert (await asyncio.wait_for(waiting, 10)).status_code == 201
+
+
+async def test_a_session_that_lost_a_lock_adds_none_and_is_no_answer_to_repeat(
+    client: httpx.AsyncClient, conn: Conn
+) -> None:
+    def force(lock_id: int) -> None:
+        conn.execute(
+            "SELECT helix_end_holds(ARRAY[%s]::bigint[], clock_timestamp(), 'forced', 'admin')", (lock_id,)
+        )
+
+    opened = await open_session(client, "a", "b")
+    force(opened["locks"][0]["id"])
+    token = {"Lock-Token": opened["token"]}
+    added = await client.post(
+        f"/v1/sessions/{opened['id']}/locks", headers=token, json={"locks": [{"job_type": "c"}]}
+    )
+    assert assert_problem(added, 410)["end_reason"] == "lost"
+    assert conn.execute("SELECT count(*) FROM helix_holds").fetchone() == (0,)  # b released, c never
+
+    # A repeat of an opening whose session lost a lock is no repeat: the set is not whole.
+    first = await client.post("/v1/sessions", json=session_body("p", "q"), headers={"Idempotency-Key": "k"})
+    force(first.json()["locks"][0]["id"])
+    again = await client.post("/v1/sessions", json=session_body("p", "q"), headers={"Idempotency-Key": "k"})
+    assert again.status_code == 201, again.text
+    assert again.json()["id"] != first.json()["id"]
+    assert [lock["job_type"] for lock in again.json()["locks"]] == ["p", "q"]
+
+    # Adding nothing is refused, and adding a second slot of a pair lists the new lock alone.
+    fresh = await open_session(client, locks=[{"job_type": "s", "max_holders": 2}])
+    token = {"Lock-Token": fresh["token"]}
+    assert_problem(
+        await client.post(f"/v1/sessions/{fresh['id']}/locks", headers=token, json={"locks": []}), 422
+    )
+    second = await client.post(
+        f"/v1/sessions/{fresh['id']}/locks",
+        headers=token,
+        json={"locks": [{"job_type": "s", "max_holders": 2}]},
+    )
+    assert second.status_code == 201, second.text
+    assert [lock["slot"] for lock in second.json()["locks"]] == [1]
+
+
+async def test_renewing_lapsed_sessions_cannot_pass_the_bound_on_open_sessions(
+    small: httpx.AsyncClient, conn: Conn
+) -> None:
+    lapsed = [await open_session(small) for _ in range(2)]
+    for session in lapsed:
+        expire_session(conn, session["id"])
+    await open_session(small)
+    await open_session(small)
+    response = await small.post(
+        f"/v1/sessions/{lapsed[0]['id']}/renew",
+        headers={"Lock-Token": lapsed[0]["token"]},
+        json={"ttl_seconds": 30},
+    )
+    assert assert_problem(response, 429)["type"] == "urn:helix-locks:problem:too-many-sessions"
 
 
 async def test_a_waiting_session_holds_none_of_its_set_and_is_granted_once_all_are_free(
@@ -438,3 +536,25 @@ async def test_sessions_waiting_for_overlapping_sets_in_opposite_orders_are_gran
     ).status_code == 204
     other = await asyncio.wait_for(pending.pop(), 10)
     assert other.status_code == 201 and len(other.json()["locks"]) == 2
+
+
+async def test_locks_added_while_the_session_lapses_are_refused_as_lapsed_not_a_500(
+    client: httpx.AsyncClient, db_url: str
+) -> None:
+    """An add that starts with lease left but waits (here for a pair's row, behind a writer's
+    fencing check) until the session's lease has run out adds nothing: 409 session-lapsed."""
+    session = await open_session(client, ttl_seconds=1)
+    held = await acquire(client, job_type="z", ttl_seconds=1)
+    with psycopg.connect(db_url, autocommit=False) as writer:
+        writer.execute("SELECT helix_fencing_token_is_current('acme', 'z', %s)", (held["fencing_token"],))
+        adding = asyncio.create_task(
+            client.post(
+                f"/v1/sessions/{session['id']}/locks",
+                headers={"Lock-Token": session["token"]},
+                json={"locks": [{"job_type": "z"}]},
+            )
+        )
+        await asyncio.sleep(1.3)  # the session's lease runs out while the add waits
+        writer.rollback()
+    problem = assert_problem(await asyncio.wait_for(adding, 10), 409)
+    assert problem["type"] == "urn:helix-locks:problem:session-lapsed"

@@ -659,17 +659,18 @@ async def add_session_locks(
     id_ = known_session_id(session_id)
     caller, found = session.caller, services(request)
 
+    # The session's organization: the quota the grants count against, and where a wait listens.
+    organization_id = (await found.sessions.get(caller, id_)).organization_id
+
     async def attempt() -> Session:
-        return await found.sessions.add(caller, id_, token, _wanted(body.locks))
+        return await found.sessions.add(caller, id_, token, organization_id, _wanted(body.locks))
 
     async def release(added: Session) -> None:
         for lock in added.locks:  # the client left: the locks it will never hear of go back
             with contextlib.suppress(LockEnded):
                 await found.locks.release(caller, lock.id, token)
 
-    if body.wait_seconds > 0 and body.locks:
-        # The session's organization, which the refusal's wait announces ends in.
-        organization_id = (await found.sessions.get(caller, id_)).organization_id
+    if body.wait_seconds > 0:
         added = await _wait_for_set(request, organization_id, body.wait_seconds, attempt, release)
     else:
         added = await attempt()

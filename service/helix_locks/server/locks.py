@@ -239,6 +239,23 @@ class LiveLockQuota:
             return share.id
         return None
 
+    async def admit_many(self, organization_id: str, count: int) -> int | None:
+        """The share that `count` grants at once (a session's locks) may go through on, its room
+        taken for all of them, or None if they must go the exact way."""
+        if self._full(organization_id, False):
+            return None
+        share = self._shares.get(organization_id)
+        if self._spent(share):
+            async with _one_at_a_time(self._counting, organization_id):
+                share = self._shares.get(organization_id)
+                if self._spent(share):
+                    share = await self._count(organization_id, share)
+        assert share is not None
+        if share.id is not None and share.used + count <= share.room:
+            share.used += count
+            return share.id
+        return None
+
     def _spent(self, share: _Share | None) -> bool:
         """Whether the organization must be counted again: never counted, counted too long ago,
         or its share's room all let through (with no room shared, it is not counted again

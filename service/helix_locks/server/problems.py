@@ -168,9 +168,9 @@ KINDS: Mapping[type[LockError], Kind] = {
         403,
         "token-mismatch",
         "Token mismatch",
-        "The Lock-Token does not match this lock, whatever its state.",
+        "The Lock-Token does not match this lock (or session), whatever its state.",
         TokenMismatch(),
-        "The Lock-Token does not match this lock.",
+        "The Lock-Token does not match.",
     ),
     LockNotFound: Kind(
         404,

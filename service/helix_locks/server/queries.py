@@ -112,18 +112,21 @@ OPEN_SESSION = (
     + _SESSION
     + """ FROM helix_open_session(
     %(organization_id)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(job_types)s,
-    %(max_holders)s, %(quota)s, %(sessions_limit)s, %(locks_limit)s
+    %(max_holders)s, %(quota)s, %(share)s, %(sessions_limit)s, %(locks_limit)s
 )"""
 )
 ADD_SESSION_LOCKS = (
     "SELECT "
     + _SESSION
     + """ FROM helix_add_session_locks(
-    %(session_id)s, %(token)s, %(scope)s, %(job_types)s, %(max_holders)s, %(quota)s, %(locks_limit)s
+    %(session_id)s, %(token)s, %(scope)s, %(job_types)s, %(max_holders)s, %(quota)s, %(share)s,
+    %(locks_limit)s
 )"""
 )
 RENEW_SESSION = (
-    "SELECT " + _SESSION + " FROM helix_renew_session(%(session_id)s, %(token)s, %(ttl_ms)s, %(scope)s)"
+    "SELECT "
+    + _SESSION
+    + " FROM helix_renew_session(%(session_id)s, %(token)s, %(ttl_ms)s, %(scope)s, %(sessions_limit)s)"
 )
 CLOSE_SESSION = (
     "SELECT organization_id, end_reason, ended_at"

@@ -638,7 +638,7 @@ class AddSessionLocksRequest(BaseModel):
         extra="forbid", json_schema_extra={"examples": [{"locks": [{"job_type": "partition-3"}]}]}
     )
 
-    locks: SessionLocks
+    locks: Annotated[SessionLocks, Field(min_length=1)]
     wait_seconds: Annotated[
         WaitSeconds,
         Field(description="Wait up to this many seconds until all the locks can be granted at once."),

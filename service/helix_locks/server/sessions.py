@@ -5,14 +5,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, LiteralString
 
 from psycopg.rows import DictRow
 from psycopg.types.json import Jsonb
 
 from helix_locks.server import queries
 from helix_locks.server.db import Database
-from helix_locks.server.errors import EmptyResult, QuotaExceeded, SessionEnded, SessionNotFound
+from helix_locks.server.errors import (
+    EmptyResult,
+    LockError,
+    QuotaExceeded,
+    SessionEnded,
+    SessionNotFound,
+    ShareEnded,
+)
 from helix_locks.server.keys import Caller
 from helix_locks.server.locks import LiveLockQuota, Lock, utc
 
@@ -78,6 +85,28 @@ class Sessions:
             "locks_limit": self.locks_limit,
         }
 
+    async def _granting(
+        self, organization_id: str, statement: LiteralString, params: dict[str, Any]
+    ) -> list[DictRow]:
+        """A statement that grants a session's locks: far from the quota on a share of its room,
+        as acquires go (locks.LiveLockQuota), else the exact way; the rows it answers."""
+        count = len(params["job_types"])
+        share = await self.quota.admit_many(organization_id, count) if count else None
+        try:
+            if share is not None:
+                try:
+                    return await self.db.fetch_all(statement, {**params, "share": share})
+                except ShareEnded:
+                    self.quota.ended(organization_id, share, again=False)
+                except LockError:
+                    for _ in range(count):
+                        self.quota.unused(organization_id, share)
+                    raise
+            return await self.db.fetch_all(statement, {**params, "share": None})
+        except QuotaExceeded:
+            self.quota.refused(organization_id)
+            raise
+
     async def open(
         self,
         caller: Caller,
@@ -100,23 +129,31 @@ class Sessions:
             "sessions_limit": self.sessions_limit,
             **self._wanted(locks),
         }
-        try:
-            rows = await self.db.fetch_all(queries.OPEN_SESSION, params)
-        except QuotaExceeded:
-            self.quota.refused(organization_id)
-            raise
-        return Session.from_rows(rows)
+        return Session.from_rows(await self._granting(organization_id, queries.OPEN_SESSION, params))
 
-    async def add(self, caller: Caller, session_id: int, token: str, locks: Wanted) -> Session:
-        """Grant more locks to an open session, all or none; the answer lists those added."""
+    async def add(
+        self, caller: Caller, session_id: int, token: str, organization_id: str, locks: Wanted
+    ) -> Session:
+        """Grant more locks to the open session of `organization_id`, all or none; the answer
+        lists those added. SessionEnded (lost) when it had lost a lock: it has ended."""
         params = {"session_id": session_id, "token": token, "scope": caller.scope, **self._wanted(locks)}
-        return Session.from_rows(await self.db.fetch_all(queries.ADD_SESSION_LOCKS, params))
+        rows = await self._granting(organization_id, queries.ADD_SESSION_LOCKS, params)
+        return self._unless_lost(session_id, rows)
 
     async def renew(self, caller: Caller, session_id: int, token: str, ttl_ms: int) -> Session:
         """A new lease for the session and all its locks. SessionEnded (lost) when a lock of it was
         reclaimed or forced: the rest are released, and the session has ended."""
-        params = {"session_id": session_id, "token": token, "ttl_ms": ttl_ms, "scope": caller.scope}
-        rows = await self.db.fetch_all(queries.RENEW_SESSION, params)
+        params = {
+            "session_id": session_id,
+            "token": token,
+            "ttl_ms": ttl_ms,
+            "scope": caller.scope,
+            "sessions_limit": self.sessions_limit,
+        }
+        return self._unless_lost(session_id, await self.db.fetch_all(queries.RENEW_SESSION, params))
+
+    def _unless_lost(self, session_id: int, rows: list[DictRow]) -> Session:
+        """The session answered, or SessionEnded when the call found it had lost a lock and ended it."""
         session = Session.from_rows(rows)
         if session.state == "ended":
             self.quota.released(session.organization_id)
