@@ -84,7 +84,7 @@ SELECT 1 FROM helix_renew_job_lock(:id, 'ceiling-renew-' || :client_id, {RENEW_T
 # session ids are first_session + client_id (hold_sessions checks it), tokens set by the bench.
 SESSION_SCRIPT = f"""\
 \\set sid :first_session + :client_id
-SELECT 1 FROM helix_renew_session(:sid, 'ceiling-session-' || :client_id, {RENEW_TTL_MS}, '{ORGANIZATION}');
+SELECT 1 FROM helix_renew_session(:sid, 'ceiling-session-' || :client_id, {RENEW_TTL_MS}, '{ORGANIZATION}', 2000000000);
 """
 
 # Coalescing (--coalesce K): what the service would send if it gathered K acquires that arrive at
@@ -387,8 +387,8 @@ def hold_sessions(conn: psycopg.Connection[tuple[object, ...]], clients: int, si
     for client in range(clients):
         job_types = [f"ceiling-s{size}-{client}-{n}" for n in range(size)]
         row = conn.execute(
-            "SELECT session_id FROM helix_open_session(%s, 'pgbench', %s, NULL, NULL, %s, %s,"
-            " 2000000000, 2000000000, 1000)",
+            "SELECT session_id FROM helix_open_session(%s, 'pgbench', %s, NULL, NULL, %s::text[],"
+            " %s::integer[], 2000000000, NULL, 2000000000, 1000)",
             (ORGANIZATION, RENEW_TTL_MS, job_types, [1] * size),
         ).fetchone()
         assert row is not None
