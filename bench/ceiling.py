@@ -84,7 +84,8 @@ SELECT 1 FROM helix_renew_job_lock(:id, 'ceiling-renew-' || :client_id, {RENEW_T
 # session ids are first_session + client_id (hold_sessions checks it), tokens set by the bench.
 SESSION_SCRIPT = f"""\
 \\set sid :first_session + :client_id
-SELECT 1 FROM helix_renew_session(:sid, 'ceiling-session-' || :client_id, {RENEW_TTL_MS}, '{ORGANIZATION}', 2000000000);
+SELECT 1 FROM helix_renew_session(
+    :sid, 'ceiling-session-' || :client_id, {RENEW_TTL_MS}, '{ORGANIZATION}', 2000000000);
 """
 
 # Coalescing (--coalesce K): what the service would send if it gathered K acquires that arrive at

@@ -371,6 +371,23 @@ def test_the_live_table_follows_the_event_stream_and_shows_data_as_text(
         assert browser.execute_script("return window.sameDocument") is True
         assert browser.execute_script(listings) == listed
 
+        # A lock of a session says so, where its holder is named.
+        opened = httpx.post(
+            f"{url}/v1/sessions",
+            json={
+                "organization_id": "acme",
+                "holder": "session-worker",
+                "ttl_seconds": 60,
+                "locks": [{"job_type": "p1"}],
+            },
+            timeout=10,
+        ).json()
+        wait_for(browser, lambda b: "session-worker" in holders(b), within=5)
+        cell = browser.find_element(
+            By.CSS_SELECTOR, f"#lock-rows tr[data-lock-id='{opened['locks'][0]['id']}'] td.holder"
+        )
+        assert cell.get_attribute("title") == f"in session {opened['id']}, whose lease it shares"
+
         # The hostile holder and metadata are text: no element was made from them.
         assert browser.find_elements(By.CSS_SELECTOR, "#lock-table img, #lock-table script") == []
         metadata = [cell.text for cell in browser.find_elements(By.CSS_SELECTOR, "#lock-rows td.metadata")]

@@ -160,7 +160,10 @@ function row(entry) {
   const tr = el('tr', { 'data-lock-id': lock.id },
     el('td', { class: `org${unbroken(lock.organization_id)}` }, el('bdi', {}, lock.organization_id)),
     el('td', {}, keyButton),
-    el('td', { class: `holder${unbroken(lock.holder)}` }, el('bdi', {}, lock.holder)),
+    el('td', {
+      class: `holder${unbroken(lock.holder)}`,
+      ...(lock.session_id ? { title: `in session ${lock.session_id}, whose lease it shares` } : {}),
+    }, el('bdi', {}, lock.holder)),
     stateCell,
     el('td', { class: 'number' }, `${lock.slot} / ${lock.max_holders}`),
     el('td', { class: 'number' }, String(lock.fencing_token)),

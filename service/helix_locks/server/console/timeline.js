@@ -147,6 +147,7 @@ function lockTitle(lock, kind, gapMs) {
   ];
   if (lock.released_at) lines.push(`released ${lock.released_at} (${lock.release_reason})`);
   if (lock.forced_by) lines.push(`forced by the admin key ${lock.forced_by}`);
+  if (lock.session_id) lines.push(`in session ${lock.session_id}, whose lease it shares`);
   if (kind === 'reclaimed') lines.push(`crash: ${duration(gapMs)} from the lease's end to the reclaim`);
   if (kind === 'expired') lines.push(`lease ran out ${duration(gapMs)} ago: awaiting reclaim`);
   if (lock.metadata !== null && lock.metadata !== undefined) lines.push(`metadata ${metadataText(lock)}`);
