@@ -596,8 +596,12 @@ BEGIN
     RETURN QUERY SELECT v_session.organization_id, v_reason, v_now;
 END $function$;
 
--- Retention of sessions: those that ended, or whose lease ran out, before the window, and have
--- no live lock left.
+-- Retention of sessions. A session whose lease ran out before the window is lost: its holds go,
+-- without history, as a lapsed lock's do in helix_prune_history (which leaves a session's holds
+-- to this function), and it ends as lost, so that its holder, should it come back, is told so
+-- (410) rather than renewing a set that is no longer whole. A session that ended before the
+-- window, with no live lock left, is deleted. One replica at a time; a session another call has
+-- row-locked is left for the next run.
 CREATE FUNCTION helix_prune_sessions(p_older_than interval, p_batch integer)
  RETURNS integer
  LANGUAGE plpgsql
@@ -606,18 +610,82 @@ CREATE FUNCTION helix_prune_sessions(p_older_than interval, p_batch integer)
 AS $function$
 DECLARE
     v_cutoff timestamptz := clock_timestamp() - p_older_than;
+    v_session helix_sessions%ROWTYPE;
+    v_lost integer := 0;
     v_deleted integer;
 BEGIN
+    IF NOT pg_try_advisory_xact_lock(hashtext('helix_prune_sessions')) THEN
+        RETURN 0;
+    END IF;
+    FOR v_session IN
+        SELECT * FROM helix_sessions AS s
+        WHERE s.ended_at IS NULL AND s.expires_at < v_cutoff
+        LIMIT p_batch
+        FOR UPDATE SKIP LOCKED
+    LOOP
+        PERFORM helix_lock_session_holds(v_session, true);
+        DELETE FROM helix_holds AS h
+        WHERE h.session_id = v_session.id AND h.organization_id = v_session.organization_id;
+        UPDATE helix_sessions AS s SET ended_at = clock_timestamp(), end_reason = 'lost'
+        WHERE s.id = v_session.id;
+        v_lost := v_lost + 1;
+    END LOOP;
     WITH doomed AS (
         SELECT s.id FROM helix_sessions AS s
-        WHERE coalesce(s.ended_at, s.expires_at) < v_cutoff
-          AND NOT EXISTS (SELECT FROM helix_holds AS h WHERE h.session_id = s.id)
+        WHERE s.ended_at < v_cutoff
+          AND NOT EXISTS (
+              SELECT FROM helix_holds AS h
+              WHERE h.session_id = s.id AND h.organization_id = s.organization_id
+          )
         LIMIT p_batch
         FOR UPDATE SKIP LOCKED
     )
     DELETE FROM helix_sessions AS s USING doomed WHERE s.id = doomed.id;
     GET DIAGNOSTICS v_deleted = ROW_COUNT;
-    RETURN v_deleted;
+    RETURN v_lost + v_deleted;
+END $function$;
+
+-- A lapsed lock of a session is left to helix_prune_sessions, which ends its session with it;
+-- the rest is as 0023 wrote it.
+CREATE OR REPLACE FUNCTION helix_prune_history(p_older_than interval, p_batch integer)
+ RETURNS integer
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path FROM CURRENT
+AS $function$
+DECLARE
+    -- A value, not clock_timestamp() in the WHERE clause: a volatile expression cannot bound the
+    -- index scan, and a batch that finds nothing old would read the whole retained history.
+    v_cutoff timestamptz := clock_timestamp() - p_older_than;
+    v_ended integer;
+    v_lapsed integer;
+BEGIN
+    IF NOT pg_try_advisory_xact_lock(hashtext('helix_prune_history')) THEN
+        RETURN 0;  -- another replica is pruning
+    END IF;
+    WITH doomed AS (
+        SELECT e.id
+        FROM helix_lock_history AS e
+        WHERE e.released_at < v_cutoff
+        ORDER BY e.released_at
+        LIMIT p_batch
+    )
+    DELETE FROM helix_lock_history AS e USING doomed WHERE e.id = doomed.id;
+    GET DIAGNOSTICS v_ended = ROW_COUNT;
+    -- Locks nobody released or reclaimed, whose lease ended before the window. SKIP LOCKED
+    -- leaves one that an acquire is reclaiming at this moment to that acquire; one deleted here
+    -- is simply absent for the next acquire of its key.
+    WITH doomed AS (
+        SELECT h.organization_id, h.job_type, h.slot
+        FROM helix_holds AS h
+        WHERE h.expires_at < v_cutoff AND h.session_id IS NULL
+        LIMIT p_batch
+        FOR UPDATE SKIP LOCKED
+    )
+    DELETE FROM helix_holds AS h USING doomed
+    WHERE (h.organization_id, h.job_type, h.slot) = (doomed.organization_id, doomed.job_type, doomed.slot);
+    GET DIAGNOSTICS v_lapsed = ROW_COUNT;
+    RETURN v_ended + v_lapsed;
 END $function$;
 
 REVOKE EXECUTE ON FUNCTION helix_session_for_holder(bigint,text,text), helix_session_lost(helix_sessions),
@@ -645,4 +713,5 @@ COMMENT ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],intege
 COMMENT ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,bigint,integer) IS 'POST /v1/sessions/{id}/locks: grants more locks to an open session, all or none, with its lease (the answer lists them); HL010 when its lease has run out; a session that lost a lock ends instead (session_state ended).';
 COMMENT ON FUNCTION helix_renew_session(bigint,text,bigint,text,integer) IS 'POST /v1/sessions/{id}/renew: a new lease for the session and each of its holds in one statement (lapsed: it had run out, and it counts against the bound on open sessions again: HL009); a session that lost a lock ends instead, its other locks released (session_state ended, end_reason lost).';
 COMMENT ON FUNCTION helix_close_session(bigint,text,text) IS 'DELETE /v1/sessions/{id}: releases the session''s locks and ends it in one statement; end_reason lost when it had lost a lock.';
-COMMENT ON FUNCTION helix_prune_sessions(interval,integer) IS 'Retention: deletes a batch of sessions that ended, or whose lease ran out, before the window, and have no live lock left.';
+COMMENT ON FUNCTION helix_prune_sessions(interval,integer) IS 'Retention of sessions, one replica at a time: a session whose lease ran out before the window ends as lost, its holds deleted without history (as a lapsed lock''s); one that ended before the window, with no live lock left, is deleted.';
+COMMENT ON FUNCTION helix_prune_history(interval,integer) IS 'Retention: deletes a batch of history rows that ended before the window, and a batch of live locks on their own whose lease ended before it and that nobody ended (migrations 0007, 0023); a session''s are helix_prune_sessions'' (0027).';

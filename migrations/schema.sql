@@ -1361,7 +1361,7 @@ BEGIN
     WITH doomed AS (
         SELECT h.organization_id, h.job_type, h.slot
         FROM helix_holds AS h
-        WHERE h.expires_at < v_cutoff
+        WHERE h.expires_at < v_cutoff AND h.session_id IS NULL
         LIMIT p_batch
         FOR UPDATE SKIP LOCKED
     )
@@ -1371,7 +1371,7 @@ BEGIN
     RETURN v_ended + v_lapsed;
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_prune_history(interval,integer) FROM PUBLIC;
-COMMENT ON FUNCTION helix_prune_history(interval,integer) IS 'Retention: deletes a batch of history rows that ended before the window, and a batch of live locks whose lease ended before it and that nobody ended (migrations 0007, 0023).';
+COMMENT ON FUNCTION helix_prune_history(interval,integer) IS 'Retention: deletes a batch of history rows that ended before the window, and a batch of live locks on their own whose lease ended before it and that nobody ended (migrations 0007, 0023); a session''s are helix_prune_sessions'' (0027).';
 
 CREATE OR REPLACE FUNCTION public.helix_prune_sessions(p_older_than interval, p_batch integer)
  RETURNS integer
@@ -1381,21 +1381,42 @@ CREATE OR REPLACE FUNCTION public.helix_prune_sessions(p_older_than interval, p_
 AS $function$
 DECLARE
     v_cutoff timestamptz := clock_timestamp() - p_older_than;
+    v_session helix_sessions%ROWTYPE;
+    v_lost integer := 0;
     v_deleted integer;
 BEGIN
+    IF NOT pg_try_advisory_xact_lock(hashtext('helix_prune_sessions')) THEN
+        RETURN 0;
+    END IF;
+    FOR v_session IN
+        SELECT * FROM helix_sessions AS s
+        WHERE s.ended_at IS NULL AND s.expires_at < v_cutoff
+        LIMIT p_batch
+        FOR UPDATE SKIP LOCKED
+    LOOP
+        PERFORM helix_lock_session_holds(v_session, true);
+        DELETE FROM helix_holds AS h
+        WHERE h.session_id = v_session.id AND h.organization_id = v_session.organization_id;
+        UPDATE helix_sessions AS s SET ended_at = clock_timestamp(), end_reason = 'lost'
+        WHERE s.id = v_session.id;
+        v_lost := v_lost + 1;
+    END LOOP;
     WITH doomed AS (
         SELECT s.id FROM helix_sessions AS s
-        WHERE coalesce(s.ended_at, s.expires_at) < v_cutoff
-          AND NOT EXISTS (SELECT FROM helix_holds AS h WHERE h.session_id = s.id)
+        WHERE s.ended_at < v_cutoff
+          AND NOT EXISTS (
+              SELECT FROM helix_holds AS h
+              WHERE h.session_id = s.id AND h.organization_id = s.organization_id
+          )
         LIMIT p_batch
         FOR UPDATE SKIP LOCKED
     )
     DELETE FROM helix_sessions AS s USING doomed WHERE s.id = doomed.id;
     GET DIAGNOSTICS v_deleted = ROW_COUNT;
-    RETURN v_deleted;
+    RETURN v_lost + v_deleted;
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_prune_sessions(interval,integer) FROM PUBLIC;
-COMMENT ON FUNCTION helix_prune_sessions(interval,integer) IS 'Retention: deletes a batch of sessions that ended, or whose lease ran out, before the window, and have no live lock left.';
+COMMENT ON FUNCTION helix_prune_sessions(interval,integer) IS 'Retention of sessions, one replica at a time: a session whose lease ran out before the window ends as lost, its holds deleted without history (as a lapsed lock''s); one that ended before the window, with no live lock left, is deleted.';
 
 CREATE OR REPLACE FUNCTION public.helix_quota_lock_key(p_organization_id text)
  RETURNS bigint

@@ -558,3 +558,30 @@ async def test_locks_added_while_the_session_lapses_are_refused_as_lapsed_not_a_
         writer.rollback()
     problem = assert_problem(await asyncio.wait_for(adding, 10), 409)
     assert problem["type"] == "urn:helix-locks:problem:session-lapsed"
+
+
+async def test_a_session_lapsed_longer_than_retention_keeps_is_lost_not_renewed_empty(
+    client: httpx.AsyncClient, conn: Conn
+) -> None:
+    """Retention deletes a lapsed lock without history; of a session, it ends the session as lost
+    with it, so that its holder coming back is told so rather than renewing a set no longer whole."""
+    opened = await open_session(client, "a", "b")
+    plain = await acquire(client, job_type="c")
+    conn.execute(
+        "UPDATE helix_sessions"
+        " SET created_at = now() - interval '9 days', expires_at = now() - interval '8 days'"
+    )
+    conn.execute(
+        "UPDATE helix_holds"
+        " SET acquired_at = now() - interval '9 days', expires_at = now() - interval '8 days'"
+    )
+    assert conn.execute("SELECT helix_prune_history('7 days', 100)").fetchone() == (1,)  # c alone
+    assert conn.execute("SELECT helix_prune_sessions('7 days', 100)").fetchone() == (1,)
+    assert conn.execute("SELECT count(*) FROM helix_holds").fetchone() == (0,)
+    renewed = await client.post(
+        f"/v1/sessions/{opened['id']}/renew",
+        headers={"Lock-Token": opened["token"]},
+        json={"ttl_seconds": 30},
+    )
+    assert assert_problem(renewed, 410)["end_reason"] == "lost"
+    assert (await client.get(f"/v1/locks/{plain['id']}")).status_code == 404
