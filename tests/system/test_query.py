@@ -43,6 +43,9 @@ async def test_every_route_refuses_a_query_parameter_it_does_not_declare(client:
     `org`, before the route does anything."""
     lock = await acquire(client)
     at, token = f"/v1/locks/{lock['id']}", {"Lock-Token": lock["token"]}
+    opening = {"organization_id": "acme", "holder": "w1", "ttl_seconds": 30}
+    session = (await client.post("/v1/sessions", json=opening)).json()
+    sat, stoken = f"/v1/sessions/{session['id']}", {"Lock-Token": session["token"]}
     key = "organization_id=acme&job_type=nightly-report"
     requests: list[tuple[str, str, dict[str, Any]]] = [
         ("POST", "/v1/locks?org=acme", {"json": lock_body(job_type="not-granted")}),
@@ -53,6 +56,11 @@ async def test_every_route_refuses_a_query_parameter_it_does_not_declare(client:
         ("POST", f"{at}/renew?org=acme", {"headers": token, "json": {"ttl_seconds": 1}}),
         ("PATCH", f"{at}?org=acme", {"headers": token, "json": {"metadata": {"changed": True}}}),
         ("GET", "/v1/events?org=acme", {}),
+        ("POST", "/v1/sessions?org=acme", {"json": opening}),
+        ("GET", f"{sat}?org=acme", {}),
+        ("DELETE", f"{sat}?org=acme", {"headers": stoken}),
+        ("POST", f"{sat}/renew?org=acme", {"headers": stoken, "json": {"ttl_seconds": 1}}),
+        ("POST", f"{sat}/locks?org=acme", {"headers": stoken, "json": {"locks": [{"job_type": "x"}]}}),
         ("GET", "/healthz?org=acme", {}),
         ("GET", "/readyz?org=acme", {}),
         ("GET", "/metrics?org=acme", {}),
@@ -70,13 +78,23 @@ async def test_every_route_refuses_a_query_parameter_it_does_not_declare(client:
             assert assert_problem(answer, 422)["errors"] == UNKNOWN, (method, path)
     document = (await client.get("/openapi.json")).json()
     bare = [path.split("?")[0] for _, path, _ in requests]
-    templates = ["/v1/locks/{lock_id}" + path[len(at) :] if path.startswith(at) else path for path in bare]
+    templates = [
+        "/v1/locks/{lock_id}" + path[len(at) :]
+        if path.startswith(at)
+        else "/v1/sessions/{session_id}" + path[len(sat) :]
+        if path.startswith(sat)
+        else path
+        for path in bare
+    ]
     sent = {(method.lower(), template) for (method, _, _), template in zip(requests, templates, strict=True)}
     assert {(method, path) for path, item in document["paths"].items() for method in item} <= sent
     # Nothing was done: no grant, no renewal, no update, no release.
     assert [found["id"] for found in (await client.get("/v1/locks")).json()["items"]] == [lock["id"]]
     now = (await client.get(at)).json()
     assert (now["state"], now["metadata"], now["expires_at"]) == ("held", None, lock["expires_at"])
+    kept = (await client.get(sat)).json()
+    assert (kept["state"], kept["expires_at"], kept["locks"]) == ("held", session["expires_at"], [])
+    assert (await client.get("/v1/locks", params={"job_type": "x"})).json()["items"] == []
 
 
 def test_each_route_declares_the_query_parameters_the_document_names() -> None:

@@ -140,6 +140,11 @@ REFUSED = {
         "4fff57257c3c42eb5386cca67136167263d3f8e09306fd0dde03e12e9cf1cb83",
     ),
     ("0022_grants_announce_expiries.sql", "b70916d077088a22587b5af84be2c7a0ad7cd4bc0cf7444474a5bad23c1145d4"),
+    # Drafts of 0027 committed on main during the session that wrote it, before any of them
+    # landed (no CI had passed on them): an adversary's review changed its functions.
+    ("0027_sessions.sql", "867a58696c18434ba7b6c5b427321251af39d09e69d8d3a8cd18987b147dca1b"),
+    ("0027_sessions.sql", "647c5a1da3da875d4fa2e6f7b3d88aac61707185c13e9e30b9ab94edca728d7d"),
+    ("0027_sessions.sql", "67a5f4e8e1f97304ff16142aaffd1e2d9647ad38946418e728839e6a5bba817b"),
 }
 
 
