@@ -188,6 +188,7 @@ def test_sessions_over_overlapping_sets_are_granted_whole_or_not_at_all_under_ra
 
 
 @pytest.mark.fault
+@pytest.mark.timeout(300)  # two minutes of racing, and the replicas' start and stop
 def test_two_minutes_of_racing_sessions_hold_no_set_in_part(db_url: str, tmp_path: Path) -> None:
     race(db_url, tmp_path, seconds=120)
 
