@@ -660,7 +660,8 @@ async def add_session_locks(
     caller, found = session.caller, services(request)
 
     # The session's organization: the quota the grants count against, and where a wait listens.
-    organization_id = (await found.sessions.get(caller, id_)).organization_id
+    # An organization's key names it (a session of another one is not found all the same).
+    organization_id = caller.scope or (await found.sessions.get(caller, id_)).organization_id
 
     async def attempt() -> Session:
         return await found.sessions.add(caller, id_, token, organization_id, _wanted(body.locks))

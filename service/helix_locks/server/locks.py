@@ -227,6 +227,17 @@ class LiveLockQuota:
         if self._full(organization_id, waiting):
             await self.refuse_if_it_adds(acquiring)
             return None
+        return self._take(await self._counted(organization_id), 1)
+
+    async def admit_many(self, organization_id: str, count: int) -> int | None:
+        """The share that `count` grants at once (a session's locks) may go through on, its room
+        taken for all of them, or None if they must go the exact way."""
+        if self._full(organization_id, False):
+            return None
+        return self._take(await self._counted(organization_id), count)
+
+    async def _counted(self, organization_id: str) -> _Share:
+        """The organization's share, counted again first if it is spent."""
         share = self._shares.get(organization_id)
         if self._spent(share):
             async with _one_at_a_time(self._counting, organization_id):
@@ -234,23 +245,11 @@ class LiveLockQuota:
                 if self._spent(share):  # nobody counted while this one waited for its turn
                     share = await self._count(organization_id, share)
         assert share is not None
-        if share.free():
-            share.used += 1
-            return share.id
-        return None
+        return share
 
-    async def admit_many(self, organization_id: str, count: int) -> int | None:
-        """The share that `count` grants at once (a session's locks) may go through on, its room
-        taken for all of them, or None if they must go the exact way."""
-        if self._full(organization_id, False):
-            return None
-        share = self._shares.get(organization_id)
-        if self._spent(share):
-            async with _one_at_a_time(self._counting, organization_id):
-                share = self._shares.get(organization_id)
-                if self._spent(share):
-                    share = await self._count(organization_id, share)
-        assert share is not None
+    @staticmethod
+    def _take(share: _Share, count: int) -> int | None:
+        """The share's id, `count` of its room taken, if it has that much room; else None."""
         if share.id is not None and share.used + count <= share.room:
             share.used += count
             return share.id
