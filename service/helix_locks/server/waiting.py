@@ -47,8 +47,24 @@ Key = tuple[str, str]
 T = TypeVar("T")
 # A timer at the holder's expiry fires this much later, so that the lease has surely run out.
 EXPIRY_SLACK_SECONDS = 0.002
+# A lease that has run out yet still refuses (a renewal or an end of its session in flight: the
+# acquire counts the lock as held until it commits, migration 0028) is asked again after twice the
+# slack each time in a row, up to about a second (2 ms * 2**9), not every few milliseconds.
+MOST_DOUBLINGS = 9
+
 # After a reconnect, the heads woken try again at about this rate (10 keys: within 10 ms).
 RECONNECT_WAKES_PER_SECOND = 1000.0
+
+
+def sleep_for(expiry_ms: int | None, left: float, again: int) -> float:
+    """How long a refused waiter sleeps before its next attempt, unless woken: until the lease that
+    refused it runs out (`expiry_ms` from now; None: that lock has just ended, so no time), plus
+    the slack, doubled `again` times (the times in a row a lease already run out refused it), and
+    never past the wait (`left` seconds)."""
+    if expiry_ms is None:
+        return 0.0
+    backoff: float = EXPIRY_SLACK_SECONDS * 2 ** min(again, MOST_DOUBLINGS)
+    return min(left, expiry_ms / 1000 + backoff)
 
 
 class _Queue:
@@ -217,6 +233,7 @@ class Waiters:
         deadline = loop.time() + wait_seconds
         wake = asyncio.Event()
         watched: list[Key] = []
+        again, run_out = 0, None  # as in _wait_in_turn
         self.count += 1
         self._by_organization[organization] += 1
         try:
@@ -243,7 +260,9 @@ class Waiters:
                                 await announcing.enter_async_context(announced(key[1]))
                                 continue
                         expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
-                        timer = 0.0 if expiry is None else min(left, expiry / 1000 + EXPIRY_SLACK_SECONDS)
+                        again = again + 1 if expiry == 0 and held.lock_id == run_out else 0
+                        run_out = held.lock_id if expiry == 0 else None
+                        timer = sleep_for(expiry, left, again)
                         with contextlib.suppress(TimeoutError):
                             await self._until(wake.wait(), loop.time() + timer, gone)
         finally:
@@ -270,6 +289,7 @@ class Waiters:
     ) -> Grant:
         loop = asyncio.get_running_loop()
         registered = False
+        again, run_out = 0, None  # refusals in a row by a lease already run out, and its lock
         while True:
             if gone.done():
                 raise WaitInterrupted("the client went away")
@@ -293,7 +313,9 @@ class Waiters:
                         continue
                 # Until the holder's lease runs out; None: it just ended, so try again now.
                 expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
-                timer = 0.0 if expiry is None else min(left, expiry / 1000 + EXPIRY_SLACK_SECONDS)
+                again = again + 1 if expiry == 0 and held.lock_id == run_out else 0
+                run_out = held.lock_id if expiry == 0 else None
+                timer = sleep_for(expiry, left, again)
                 queue.sleeping_on = held
                 try:
                     # At the timer (the lease slept on ran out, or the wait did), one more attempt:
