@@ -79,9 +79,10 @@ def database_history(db_url: str) -> list[Grant]:
     with psycopg.connect(db_url) as conn:
         conn.execute("SET DateStyle = ISO")  # psycopg reads no other, whatever the database's default
         rows = conn.execute(
-            "SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
-            " NULL::timestamptz, NULL::text, max_holders, slot, session_id, acquired_xid::text::bigint"
-            " FROM helix_holds"
+            "SELECT h.id, h.organization_id, h.job_type, h.fencing_token, h.acquired_at, v.expires_at,"
+            " NULL::timestamptz, NULL::text, h.max_holders, h.slot, h.session_id,"
+            " h.acquired_xid::text::bigint"
+            " FROM helix_holds AS h JOIN helix_held_locks AS v ON v.id = h.id"
             " UNION ALL SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
             " released_at, release_reason, max_holders, slot, session_id, acquired_xid::text::bigint"
             " FROM helix_lock_history"

@@ -126,17 +126,22 @@ async def test_a_session_is_renewed_as_one_and_its_locks_are_released_or_updated
     opened = await open_session(client, "a", "b", "c", ttl_seconds=5)
     token = {"Lock-Token": opened["token"]}
     a, b, c = opened["locks"]
+    versions = "SELECT id, ctid::text, xmin::text FROM helix_holds ORDER BY id"
+    holds = conn.execute(versions).fetchall()
+    session = conn.execute("SELECT ctid::text, xmin::text FROM helix_sessions").fetchall()
     renewed = await client.post(f"/v1/sessions/{opened['id']}/renew", headers=token, json={"ttl_seconds": 60})
     assert renewed.status_code == 200, renewed.text
     body = renewed.json()
     assert body["lapsed"] is False and body["expires_at"] > opened["expires_at"]
     assert {lock["expires_at"] for lock in body["locks"]} == {body["expires_at"]}
-    # The database's own lease of every hold moved with the session's.
-    rows = conn.execute(
-        "SELECT DISTINCT h.expires_at = s.expires_at"
-        " FROM helix_holds h JOIN helix_sessions s ON s.id = h.session_id"
-    ).fetchall()
-    assert rows == [(True,)]
+    # The renewal wrote the session's row alone: every hold is the row version its grant wrote,
+    # and the locks show the session's new lease wherever they are read.
+    assert conn.execute(versions).fetchall() == holds
+    assert conn.execute("SELECT ctid::text, xmin::text FROM helix_sessions").fetchall() != session
+    listed = (await client.get("/v1/locks", params={"organization_id": "acme"})).json()["items"]
+    assert {lock["expires_at"] for lock in listed} == {body["expires_at"]}
+    current = await client.get("/v1/locks/current", params={"organization_id": "acme", "job_type": "b"})
+    assert current.json()["expires_at"] == body["expires_at"]
 
     # A lock of a session is renewed with its session, never alone.
     problem = assert_problem(
@@ -585,3 +590,97 @@ async def test_a_session_lapsed_longer_than_retention_keeps_is_lost_not_renewed_
     )
     assert assert_problem(renewed, 410)["end_reason"] == "lost"
     assert (await client.get(f"/v1/locks/{plain['id']}")).status_code == 404
+
+
+async def test_a_lapsed_sessions_lock_is_not_reclaimed_while_its_renewal_is_in_flight(
+    client: httpx.AsyncClient, conn: Conn, db_url: str
+) -> None:
+    """A session's renewal writes its row alone (migration 0028), so the acquire that finds a lock
+    of a lapsed session judges it with the session's row locked: while a renewal of that session
+    is in flight the lock is held (409, try again in a second), and once the renewal commits it
+    is the session's again, nothing reclaimed."""
+    opened = await open_session(client, "a", "b", ttl_seconds=1)
+    expire_session(conn, opened["id"])
+    with psycopg.connect(db_url, autocommit=False) as renewer:
+        renewed = renewer.execute(
+            "SELECT lapsed FROM helix_renew_session(%s, %s, 30000, 'acme', 1000)",
+            (opened["id"], opened["token"]),
+        ).fetchall()
+        assert renewed == [(True,), (True,)]
+        response = await asyncio.wait_for(
+            client.post("/v1/locks", json=lock_body(job_type="a", holder="w2")), 5
+        )
+        problem = assert_problem(response, 409)
+        assert problem["lock_id"] == opened["locks"][0]["id"] and response.headers["retry-after"] == "1"
+        renewer.commit()
+    assert assert_problem(await client.post("/v1/locks", json=lock_body(job_type="a", holder="w2")), 409)
+    session = (await client.get(f"/v1/sessions/{opened['id']}")).json()
+    assert session["state"] == "held"
+    assert [lock["id"] for lock in session["locks"]] == [lock["id"] for lock in opened["locks"]]
+    assert {lock["state"] for lock in session["locks"]} == {"held"}
+
+
+async def test_a_renewal_after_a_reclaim_in_flight_waits_for_it_and_finds_the_session_lost(
+    client: httpx.AsyncClient, conn: Conn, db_url: str
+) -> None:
+    """The converse: an acquire that reclaims a lock of a lapsed session holds the session's row
+    until it commits, so a renewal of the session meanwhile waits, then ends it as lost (410),
+    never renewing a session that no longer has all its locks."""
+    opened = await open_session(client, "a", "b", ttl_seconds=1)
+    expire_session(conn, opened["id"])
+    with psycopg.connect(db_url, autocommit=False) as thief:
+        taken = thief.execute(
+            "SELECT reclaimed_lock_id FROM helix_acquire_job_lock('acme', 'b', 'w2', 30000, NULL, NULL)"
+        ).fetchall()
+        assert taken == [(opened["locks"][1]["id"],)]
+        renewal = asyncio.create_task(
+            client.post(
+                f"/v1/sessions/{opened['id']}/renew",
+                headers={"Lock-Token": opened["token"]},
+                json={"ttl_seconds": 30},
+            )
+        )
+        await asyncio.sleep(0.5)
+        assert not renewal.done()  # waiting for the reclaim's row lock on the session
+        thief.commit()
+    problem = assert_problem(await asyncio.wait_for(renewal, 5), 410)
+    assert problem["end_reason"] == "lost"
+    a = (await client.get(f"/v1/locks/{opened['locks'][0]['id']}")).json()
+    assert a["state"] == "released"
+    history = conn.execute(
+        "SELECT release_reason, expires_at = (SELECT expires_at FROM helix_sessions WHERE id = %s)"
+        " FROM helix_lock_history WHERE id = %s",
+        (opened["id"], opened["locks"][1]["id"]),
+    ).fetchone()
+    assert history == ("reclaimed", True)  # the lease its history keeps is the session's
+
+
+async def test_adding_locks_again_with_the_same_idempotency_key_answers_the_same_locks(
+    client: httpx.AsyncClient,
+) -> None:
+    """A retry after a lost answer: the locks its first call added, not a 409 for pairs the session
+    itself holds; another key, or none, is a new call."""
+    opened = await open_session(client, "a")
+    add = f"/v1/sessions/{opened['id']}/locks"
+    token = {"Lock-Token": opened["token"]}
+    body = {"locks": [{"job_type": "c"}, {"job_type": "b"}]}
+    first = await client.post(add, headers={**token, "Idempotency-Key": "k1"}, json=body)
+    assert first.status_code == 201, first.text
+    again = await client.post(add, headers={**token, "Idempotency-Key": "k1"}, json=body)
+    assert again.status_code == 201, again.text
+
+    def granted(response: httpx.Response) -> list[tuple[int, int, str]]:
+        return [(lock["id"], lock["fencing_token"], lock["job_type"]) for lock in response.json()["locks"]]
+
+    assert granted(again) == granted(first)
+    assert [lock["job_type"] for lock in again.json()["locks"]] == ["b", "c"]
+    for headers in ({**token, "Idempotency-Key": "k2"}, token):
+        problem = assert_problem(await client.post(add, headers=headers, json=body), 409)
+        assert problem["job_type"] == "b"
+    # The same key naming other job types is a new call.
+    other = await client.post(
+        add, headers={**token, "Idempotency-Key": "k1"}, json={"locks": [{"job_type": "d"}]}
+    )
+    assert other.status_code == 201 and [lock["job_type"] for lock in other.json()["locks"]] == ["d"]
+    session = (await client.get(f"/v1/sessions/{opened['id']}")).json()
+    assert [lock["job_type"] for lock in session["locks"]] == ["a", "b", "c", "d"]

@@ -59,6 +59,8 @@ FUNCTION_EXCEPTIONS = {
     " from the pair's holds, which its caller read by the organization and passes, each with it",
     "helix_prune_sessions(interval,integer)": "retention of sessions, as of the history: every"
     " organization's at once",
+    "helix_session_lease_shortened()": "a row trigger on helix_sessions: its argument is the row (NEW),"
+    " which carries organization_id, and it reads that organization's holds and waiters",
     "helix_announce_expiries(integer)": "the event reader's sweep of every organization's due expiries,"
     " as retention's; on Citus each node's reader runs it on its node (docs/scaling.md, 'Events')",
 }

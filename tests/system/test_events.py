@@ -356,3 +356,63 @@ async def test_a_stream_cut_before_its_first_event_resumes_from_where_it_joined(
                 await resumed.quiet(0.5)
     assert b"\nevent: " not in seen, seen
     assert resumed.kinds() == [("acquired", lock["id"])]
+
+
+async def test_a_sessions_renewals_and_lapse_are_events_of_each_of_its_locks(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A session's lease is its row alone (migration 0028), yet each of its locks reports it: a
+    renewal is a renewed event of each lock, a lapse an expired event of each, in the live stream
+    and in a replay; a lock added after a lapse reports neither that lapse nor earlier renewals."""
+    with replicas(db_url, tmp_path) as [url]:
+        async with httpx.AsyncClient(base_url=url) as http, Watch(url) as watch:
+            body = {
+                "organization_id": "acme",
+                "holder": "w",
+                "ttl_seconds": 1,
+                "locks": [{"job_type": "a"}, {"job_type": "b"}],
+            }
+            opened = (await http.post("/v1/sessions", json=body)).json()
+            a, b = (lock["id"] for lock in opened["locks"])
+            token = {"Lock-Token": opened["token"]}
+            renew = f"/v1/sessions/{opened['id']}/renew"
+            first = await http.post(renew, headers=token, json={"ttl_seconds": 1})
+            assert first.status_code == 200
+            patched = await http.patch(f"/v1/locks/{a}", headers=token, json={"metadata": {"step": 2}})
+            assert patched.status_code == 200
+            await watch.until(7, within=10)  # nobody renews: both lapse
+            again = await http.post(renew, headers=token, json={"ttl_seconds": 30})
+            assert again.status_code == 200 and again.json()["lapsed"] is True
+            added = await http.post(
+                f"/v1/sessions/{opened['id']}/locks", headers=token, json={"locks": [{"job_type": "c"}]}
+            )
+            assert added.status_code == 201, added.text
+            c = added.json()["locks"][0]["id"]
+            assert (await http.post(renew, headers=token, json={"ttl_seconds": 30})).status_code == 200
+            assert (await http.delete(f"/v1/sessions/{opened['id']}", headers=token)).status_code == 204
+            await watch.until(16)
+            await watch.quiet()
+            async with Watch(url, last_event_id=watch.events[0].id) as replay:
+                await replay.quiet()
+
+    def of(events: list[Event], lock_id: int) -> list[str]:
+        return [event.type for event in events if event.data["lock"]["id"] == lock_id]
+
+    assert of(watch.events, a) == [
+        "acquired",
+        "renewed",
+        "updated",
+        "expired",
+        "renewed",
+        "renewed",
+        "released",
+    ]
+    assert of(watch.events, b) == ["acquired", "renewed", "expired", "renewed", "renewed", "released"]
+    assert of(watch.events, c) == ["acquired", "renewed", "released"]
+    lapse = [event for event in watch.events if event.type == "expired"]
+    assert {event.data["at"] for event in lapse} == {first.json()["expires_at"]}
+    # A replay folds renewals and updates, never a state change; a's acquired was the start.
+    changes = {"acquired", "expired", "reclaimed", "released", "forced"}
+    assert [kind for kind in of(replay.events, a) if kind in changes] == ["expired", "released"]
+    assert [kind for kind in of(replay.events, b) if kind in changes] == ["acquired", "expired", "released"]
+    assert [kind for kind in of(replay.events, c) if kind in changes] == ["acquired", "released"]

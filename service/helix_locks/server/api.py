@@ -652,21 +652,36 @@ SESSION_HOLDER_PROBLEMS = (
     ),
 )
 async def add_session_locks(
-    request: Request, session_id: SessionIdPath, token: SessionToken, body: AddSessionLocksRequest
+    request: Request,
+    session_id: SessionIdPath,
+    token: SessionToken,
+    body: AddSessionLocksRequest,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            alias="Idempotency-Key",
+            pattern=IDEMPOTENCY_KEY_PATTERN,
+            description="Repeat the call with the same key while the session holds the locks it added,"
+            " and get those locks back (201): for retries after a lost answer.",
+        ),
+    ] = None,
 ) -> Response:
     """Grant more locks to an open session, all together or none, with the session's lease."""
     session = await authorized(request)
     id_ = known_session_id(session_id)
     caller, found = session.caller, services(request)
+    key = None if idempotency_key is None else f"{caller.key_id or 'anonymous'}/{idempotency_key}"
 
     # The session's organization: the quota the grants count against, and where a wait listens.
     # An organization's key names it (a session of another one is not found all the same).
     organization_id = caller.scope or (await found.sessions.get(caller, id_)).organization_id
 
     async def attempt() -> Session:
-        return await found.sessions.add(caller, id_, token, organization_id, _wanted(body.locks))
+        return await found.sessions.add(caller, id_, token, organization_id, _wanted(body.locks), key)
 
     async def release(added: Session) -> None:
+        if key is not None:  # a retry with its Idempotency-Key may come for them: they stay
+            return
         for lock in added.locks:  # the client left: the locks it will never hear of go back
             with contextlib.suppress(LockEnded):
                 await found.locks.release(caller, lock.id, token)

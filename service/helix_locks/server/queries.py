@@ -120,7 +120,7 @@ ADD_SESSION_LOCKS = (
     + _SESSION
     + """ FROM helix_add_session_locks(
     %(session_id)s, %(token)s, %(scope)s, %(job_types)s, %(max_holders)s, %(quota)s, %(share)s,
-    %(locks_limit)s
+    %(locks_limit)s, %(idempotency_key)s
 )"""
 )
 RENEW_SESSION = (
@@ -236,16 +236,24 @@ WHERE organization_id = %(organization_id)s AND job_type = %(job_type)s
 
 # Locks not yet released (held, expired or both), in key and slot order; the cursor is the last
 # (key, slot) seen.
-# The state is computed once per row (LATERAL), so a row kept by a state filter says that state.
+# The state is computed once per row (LATERAL), so a row kept by a state filter says that state. A
+# lock of a session has the session's lease (migration 0028), read by the session's primary key
+# for such a lock alone (a join would be free to read every session).
 _LIVE = """
-SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquired_at, l.expires_at,
+SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquired_at, s.expires_at,
        NULL::timestamptz AS released_at, NULL::text AS release_reason, s.state,
-       greatest(0, floor(extract(epoch FROM l.expires_at - clock_timestamp()) * 1000))::bigint
+       greatest(0, floor(extract(epoch FROM s.expires_at - clock_timestamp()) * 1000))::bigint
            AS ttl_remaining_ms,
        l.metadata, l.max_holders, l.slot, l.session_id
 FROM helix_holds AS l
 CROSS JOIN LATERAL (
-    SELECT CASE WHEN l.expires_at <= clock_timestamp() THEN 'expired' ELSE 'held' END AS state
+    SELECT CASE WHEN l.session_id IS NULL THEN l.expires_at
+                ELSE coalesce((SELECT se.expires_at FROM helix_sessions AS se WHERE se.id = l.session_id),
+                              l.expires_at)
+           END AS expires_at
+) AS e
+CROSS JOIN LATERAL (
+    SELECT e.expires_at, CASE WHEN e.expires_at <= clock_timestamp() THEN 'expired' ELSE 'held' END AS state
 ) AS s
 WHERE (%(state)s::text IS NULL OR s.state = %(state)s)
   AND (%(after_organization_id)s::text IS NULL
@@ -341,9 +349,9 @@ PRUNE = "SELECT helix_prune_history(%(older_than)s, %(batch)s) AS deleted"
 
 # The held/expired gauges (telemetry.py): a scan of the live locks alone.
 COUNT_LIVE = (
-    "SELECT count(*) FILTER (WHERE expires_at > clock_timestamp()) AS held,"
-    " count(*) FILTER (WHERE expires_at <= clock_timestamp()) AS expired"
-    " FROM helix_holds"
+    "SELECT count(*) FILTER (WHERE state = 'held') AS held,"
+    " count(*) FILTER (WHERE state = 'expired') AS expired"
+    " FROM helix_held_locks"
 )
 
 # Migration bookkeeping (migrate.py).

@@ -132,11 +132,24 @@ class Sessions:
         return Session.from_rows(await self._granting(organization_id, queries.OPEN_SESSION, params))
 
     async def add(
-        self, caller: Caller, session_id: int, token: str, organization_id: str, locks: Wanted
+        self,
+        caller: Caller,
+        session_id: int,
+        token: str,
+        organization_id: str,
+        locks: Wanted,
+        idempotency_key: str | None = None,
     ) -> Session:
         """Grant more locks to the open session of `organization_id`, all or none; the answer
-        lists those added. SessionEnded (lost) when it had lost a lock: it has ended."""
-        params = {"session_id": session_id, "token": token, "scope": caller.scope, **self._wanted(locks)}
+        lists those added (a repeat of `idempotency_key`: those its first call added, replayed).
+        SessionEnded (lost) when it had lost a lock: it has ended."""
+        params = {
+            "session_id": session_id,
+            "token": token,
+            "scope": caller.scope,
+            "idempotency_key": idempotency_key,
+            **self._wanted(locks),
+        }
         rows = await self._granting(organization_id, queries.ADD_SESSION_LOCKS, params)
         return self._unless_lost(session_id, rows)
 
