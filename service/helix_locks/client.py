@@ -645,8 +645,14 @@ class SessionLease(_Held):
         super().__init__(grant)
         self.grant = grant
         self.id = grant.id
-        self.locks: dict[str, Lock] = {lock["job_type"]: lock for lock in grant.body["locks"]}
-        self.fencing_tokens = {job_type: lock["fencing_token"] for job_type, lock in self.locks.items()}
+        self.locks: dict[str, Lock] = {}
+        self.fencing_tokens: dict[str, int] = {}
+        self._added(grant.body["locks"])
+
+    def _added(self, locks: list[Lock]) -> None:
+        for lock in locks:
+            self.locks[lock["job_type"]] = lock
+            self.fencing_tokens[lock["job_type"]] = lock["fencing_token"]
 
 
 class SyncLease(Lease):
@@ -818,6 +824,23 @@ class _Core:
     ) -> Flow[Granted]:
         """An acquire's (or a session's) grant, asked again after each 409 until `wait` is over."""
         headers = {"Idempotency-Key": uuid.uuid4().hex}  # so that a retry never locks us out
+        answer, started = yield from self._asked(path, body, headers, wait, max(ttl * 0.5, 1.0))
+        return (yield from self._confirmed(grant(answer, ttl, started)))
+
+    def _add_session_locks(
+        self, session_id: int, token: str, job_types: list[str], wait: float
+    ) -> Flow[list[Lock]]:
+        body: dict[str, Any] = {"locks": [{"job_type": job_type} for job_type in job_types]}
+        headers = {"Idempotency-Key": uuid.uuid4().hex, "Lock-Token": token}
+        answer, _ = yield from self._asked(f"/v1/sessions/{session_id}/locks", body, headers, wait, 10.0)
+        added: list[Lock] = answer["locks"]
+        return added
+
+    def _asked(
+        self, path: str, body: dict[str, Any], headers: dict[str, str], wait: float, within: float
+    ) -> Flow[tuple[Any, float]]:
+        """A POST that grants (its body, and when the request that got it was sent), asked again
+        after each 409 until `wait` is over, with the same Idempotency-Key."""
         give_up = time.monotonic() + wait
         rounds = 0
         while True:
@@ -829,12 +852,12 @@ class _Core:
                     path,
                     json=body,
                     headers=headers,
-                    within=max(ttl * 0.5, 1.0),
+                    within=within,
                     # Nothing listening is said at once: a worker's first contact, not a blip.
                     refused_within=REFUSED_WITHIN_SECONDS,
                     timeout=self.timeout + waiting if self.timeout else None,
                 )
-                return (yield from self._confirmed(grant(response.json(), ttl, started)))
+                return response.json(), started
             except LockHeld as held:
                 left = give_up - time.monotonic()
                 if left <= 0:
@@ -1077,6 +1100,19 @@ class LockClient(_Core):
         renew_session, end it with end_session."""
         return self._run(self._open_session(organization_id, job_types, ttl, holder, metadata, wait))
 
+    def add_session_locks(
+        self, session: SessionGrant | SessionLease, job_types: list[str], wait: float = 0
+    ) -> list[Lock]:
+        """Add the locks of `job_types` to a held session, all at once or none (LockHeld names the
+        first held, as open_session's does), waiting up to `wait` for all to be free; they share
+        its lease. A SessionLease lists them in `locks` and `fencing_tokens` from then on. A retry
+        after a lost answer gets the same locks (one Idempotency-Key for every attempt)."""
+        grant = session.grant if isinstance(session, SessionLease) else session
+        added = self._run(self._add_session_locks(grant.id, grant.token, job_types, wait))
+        if isinstance(session, SessionLease):
+            session._added(added)
+        return added
+
     def renew_session(self, session_id: int, token: str, ttl: float, within: float = 10.0) -> Renewed:
         """A new lease for the session and all its locks; LockLost once it ended or lost a lock."""
         return self._run(self._renew(session_id, token, ttl, within, "sessions"))
@@ -1292,6 +1328,16 @@ class AsyncLockClient(_Core):
     ) -> SessionGrant:
         """As LockClient.open_session."""
         return await self._run(self._open_session(organization_id, job_types, ttl, holder, metadata, wait))
+
+    async def add_session_locks(
+        self, session: SessionGrant | SessionLease, job_types: list[str], wait: float = 0
+    ) -> list[Lock]:
+        """As LockClient.add_session_locks."""
+        grant = session.grant if isinstance(session, SessionLease) else session
+        added = await self._run(self._add_session_locks(grant.id, grant.token, job_types, wait))
+        if isinstance(session, SessionLease):
+            session._added(added)
+        return added
 
     async def renew_session(self, session_id: int, token: str, ttl: float, within: float = 10.0) -> Renewed:
         """As LockClient.renew_session."""

@@ -138,6 +138,29 @@ def test_a_session_holds_all_its_locks_renews_them_with_one_request_and_ends_the
         assert client.acquire("acme", "part-3", ttl=1).fencing_token == 1
 
 
+def test_locks_added_to_a_held_session_are_renewed_with_it_and_a_held_one_refuses_them_all(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    url, _ = service
+    with either(kind, url) as client:
+        rival = client.acquire("acme", "added-b", ttl=30, holder="rival")
+        with client.session("acme", ["added-a"], ttl=1) as session:
+            with pytest.raises(LockHeld) as held:
+                client.add_session_locks(session, ["added-c", "added-b"])
+            assert held.value.job_type == "added-b"
+            assert client.current("acme", "added-c") is None  # all or none: c was not kept
+            client.release(rival.id, rival.token)
+            added = client.add_session_locks(session, ["added-c", "added-b"], wait=5)
+            assert [lock["job_type"] for lock in added] == ["added-b", "added-c"]
+            assert session.fencing_tokens == {"added-a": 1, "added-b": 2, "added-c": 1}
+            for _ in range(20):  # 2 s: twice the lease, all three renewed with the session
+                time.sleep(0.1)
+                session.check()
+            current = client.current("acme", "added-c")
+            assert current is not None and current["session_id"] == session.id
+        assert client.current("acme", "added-b") is None and client.current("acme", "added-c") is None
+
+
 def test_a_session_that_lost_a_lock_is_lost_at_its_next_renewal(
     kind: str, service: tuple[str, Any], db_url: str
 ) -> None:

@@ -769,6 +769,32 @@ export class LockClient {
     return new SessionGrant(answer as OpenedSession, ttl, started);
   }
 
+  /**
+   * Add the locks of `jobTypes` to a held session (its SessionGrant, or the SessionLease of
+   * withSession), all granted at once or none (LockHeldError names the first pair held as
+   * `jobType`); with `wait`, wait until all are free. They share the session's lease, and the
+   * grant lists them in `locks` and `fencingTokens` from then on. A retry after a lost answer
+   * gets the same locks (one Idempotency-Key for every attempt).
+   */
+  async addSessionLocks(
+    session: SessionGrant | SessionLease,
+    options: { jobTypes: string[]; wait?: number; signal?: AbortSignal },
+  ): Promise<Lock[]> {
+    const grant = session instanceof SessionLease ? session.grant : session;
+    const body: Record<string, unknown> = {
+      locks: Array.isArray(options.jobTypes) ? options.jobTypes.map((jobType) => ({ job_type: jobType })) : options.jobTypes,
+    };
+    const { answer } = await this.#granted(`/v1/sessions/${grant.id}/locks`, body, 20, options.wait ?? 0, options.signal, {
+      "lock-token": grant.token,
+    });
+    const added = (answer as SessionBody).locks;
+    for (const lock of added) {
+      grant.locks[lock.job_type] = lock;
+      grant.fencingTokens[lock.job_type] = lock.fencing_token;
+    }
+    return added;
+  }
+
   /** A grant's answer (a lock's, a session's), asked again after each 409 until `wait` is over. */
   async #granted(
     path: string,
@@ -776,10 +802,11 @@ export class LockClient {
     ttl: unknown,
     wait: unknown,
     signal: AbortSignal | undefined,
+    extra: Record<string, string> = {},
   ): Promise<{ answer: unknown; started: number }> {
     const waitable = typeof wait === "number" && Number.isFinite(wait) && wait >= 0;
     if (!waitable) body.wait_seconds = wait; // the service says what is wrong with it
-    const headers = { "idempotency-key": randomUUID() }; // so that a retry never locks us out
+    const headers = { ...extra, "idempotency-key": randomUUID() }; // so that a retry never locks us out
     const giveUp = now() + (waitable ? wait * 1000 : 0);
     let round = 0;
     const withinMs = typeof ttl === "number" && Number.isFinite(ttl) ? Math.max(ttl * 500, 1000) : 1000;

@@ -126,3 +126,26 @@ test("a session takes its locks all at once or none, renews them with one reques
   assert.equal(ended.state, "ended");
   assert.deepEqual(ended.locks, []);
 });
+
+test("locks added to a held session all at once or none, renewed with it", async () => {
+  const locks = client();
+  const [a, b, c] = [jobType("added-a"), jobType("added-b"), jobType("added-c")];
+  const held = await locks.acquire({ organizationId: ORG, jobType: b, ttl: 30 });
+  await locks.withSession({ organizationId: ORG, jobTypes: [a], ttl: 1.5 }, async (session) => {
+    const refused = await rejection(locks.addSessionLocks(session, { jobTypes: [c, b] }), 10_000);
+    assert.ok(refused instanceof LockHeldError);
+    assert.equal(refused.jobType, b);
+    assert.equal(await locks.current({ organizationId: ORG, jobType: c }), null); // none of them
+    await locks.release(held);
+    const added = await locks.addSessionLocks(session, { jobTypes: [c, b], wait: 5 });
+    assert.deepEqual(added.map((lock) => lock.job_type).sort(), [b, c].sort());
+    assert.deepEqual(Object.keys(session.fencingTokens).sort(), [a, b, c].sort());
+    for (let i = 0; i < 20; i++) {
+      await pause(100); // 2 s: longer than the lease, all three renewed with the session
+      session.check();
+    }
+    const current = await locks.current({ organizationId: ORG, jobType: c });
+    assert.equal(current.session_id, session.id);
+  });
+  assert.equal(await locks.current({ organizationId: ORG, jobType: c }), null);
+});
