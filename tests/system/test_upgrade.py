@@ -35,6 +35,8 @@ BUILDS = {
     "020073f": "tests in layers (issue 36)",
     # Migrations 0001 to 0022: the upgrade applies 0023, the lean data model, while it serves.
     "57528db": "before the lean data model (issue 37)",
+    # Migrations 0001 to 0027: the upgrade applies 0028 (a session's lease in its row) while it serves.
+    "c1948e5": "before a session's renewal wrote one row (issue 38)",
 }
 
 
@@ -206,6 +208,14 @@ def test_a_rolling_upgrade_keeps_live_locks_and_history_while_an_earlier_build_s
             ended.append(lock)
         live = [acquire(old, f"upgrade-live-{n}", "before", ttl=300).json() for n in range(3)]
         assert all("token" in lock for lock in live), live
+        # A session opened by a build that has them (0027 on) lives on across 0028, which moves its
+        # locks' lease into the session's row.
+        session = None
+        if (base / "migrations" / "0027_sessions.sql").exists():
+            pairs = [{"job_type": "upgrade-session-a"}, {"job_type": "upgrade-session-b"}]
+            body = {"organization_id": HOT[0], "holder": "before", "ttl_seconds": 300, "locks": pairs}
+            session = httpx.post(f"{old}/v1/sessions", json=body, timeout=15).json()
+            assert len(session["locks"]) == 2, session
 
         workers.start("old", old, 4)
         time.sleep(0.5)
@@ -237,6 +247,22 @@ def test_a_rolling_upgrade_keeps_live_locks_and_history_while_an_earlier_build_s
             assert got.status_code == 200, got.text
             assert got.json()["fencing_token"] == lock["fencing_token"]
             assert lock_call("DELETE", old, lock).status_code == 204
+        if session is not None:
+            token = {"Lock-Token": session["token"]}
+            renewed = httpx.post(
+                f"{new}/v1/sessions/{session['id']}/renew",
+                headers=token,
+                json={"ttl_seconds": 60},
+                timeout=15,
+            )
+            assert renewed.status_code == 200 and renewed.json()["state"] == "held", renewed.text
+            for lock in session["locks"]:  # read where this build reads a lock: the session's lease
+                got = httpx.get(f"{new}/v1/locks/{lock['id']}", timeout=15).json()
+                assert (got["state"], got["expires_at"]) == ("held", renewed.json()["expires_at"]), got
+            assert (
+                httpx.delete(f"{old}/v1/sessions/{session['id']}", headers=token, timeout=15).status_code
+                == 204
+            )
         for lock in ended:
             got = httpx.get(f"{new}/v1/locks/{lock['id']}", timeout=15)
             assert got.status_code == 200, got.text
