@@ -41,14 +41,13 @@ COMMENT ON COLUMN helix_sessions.expired_xid IS 'The transaction that announced 
 COMMENT ON COLUMN helix_sessions.changed_xid IS 'The transaction of the latest change of its lease that GET /v1/events reports for its locks (renewal, announced expiry).';
 COMMENT ON COLUMN helix_holds.expires_at IS 'When the current lease runs out; from then on a grant may reclaim the lock. For a lock of a session: the expiry it was granted with; its lease is the session''s (helix_hold_lease, migration 0028).';
 
--- What was in the holds of the sessions open now moves to their rows: the lease's history as the
--- session's first lock has it (each reader keeps the part after a lock's grant).
+-- The sessions open now: their last renewal's transaction, which every hold the renewal renewed
+-- carries (each reader keeps it for the locks granted before it). Lapses and announced expiries
+-- stay in each hold, as they were announced lock by lock (helix_hold_lease reads them there).
 UPDATE helix_sessions AS s
-SET renewed_xid = h.renewed_xid, lapses = h.lapses, lapse_xids = h.lapse_xids,
-    expired_xid = h.expired_xid, changed_xid = h.changed_xid
+SET renewed_xid = h.renewed_xid
 FROM (
-    SELECT DISTINCT ON (h.session_id) h.session_id, h.renewed_xid, h.lapses, h.lapse_xids,
-           h.expired_xid, h.changed_xid
+    SELECT DISTINCT ON (h.session_id) h.session_id, h.renewed_xid
     FROM helix_holds AS h
     WHERE h.session_id IS NOT NULL
     ORDER BY h.session_id, h.acquired_at
@@ -57,7 +56,10 @@ WHERE s.id = h.session_id;
 
 -- A lock's lease as every reader takes it: a lock on its own, its hold's columns; a lock of a
 -- session, its session's, from its grant on (a renewal or lapse of the session before the grant
--- is not the lock's). changed_xid: the latest change of that lease GET /v1/events reports.
+-- is not the lock's). A hold's own lapses, and its own announced expiry while the session's lease
+-- is still the one it had, come first: a lock of a session granted before this migration had
+-- them announced lock by lock, each in its own transaction, and keeps them. changed_xid: the
+-- latest change of the lease that GET /v1/events reports.
 CREATE FUNCTION helix_hold_lease(
     p_session_id bigint, p_acquired_at timestamptz, p_expires_at timestamptz, p_renewed_at timestamptz,
     p_renewed_xid xid8, p_lapses timestamptz[], p_lapse_xids xid8[], p_expired_xid xid8, p_changed_xid xid8
@@ -74,14 +76,17 @@ AS $function$
            CASE WHEN s.id IS NULL THEN p_renewed_at WHEN s.renewed_at > p_acquired_at THEN s.renewed_at END,
            CASE WHEN s.id IS NULL THEN p_renewed_xid WHEN s.renewed_at > p_acquired_at THEN s.renewed_xid END,
            CASE WHEN s.id IS NULL THEN p_lapses
-                ELSE (SELECT array_agg(l.at ORDER BY l.n)
-                      FROM unnest(s.lapses, s.lapse_xids) WITH ORDINALITY AS l (at, xid, n)
-                      WHERE l.at > p_acquired_at) END,
+                ELSE p_lapses || (SELECT array_agg(l.at ORDER BY l.n)
+                                  FROM unnest(s.lapses, s.lapse_xids) WITH ORDINALITY AS l (at, xid, n)
+                                  WHERE l.at > p_acquired_at) END,
            CASE WHEN s.id IS NULL THEN p_lapse_xids
-                ELSE (SELECT array_agg(l.xid ORDER BY l.n)
-                      FROM unnest(s.lapses, s.lapse_xids) WITH ORDINALITY AS l (at, xid, n)
-                      WHERE l.at > p_acquired_at) END,
-           CASE WHEN s.id IS NULL THEN p_expired_xid ELSE s.expired_xid END,
+                ELSE p_lapse_xids || (SELECT array_agg(CASE WHEN l.at = p_expires_at AND p_expired_xid IS NOT NULL
+                                                            THEN p_expired_xid ELSE l.xid END ORDER BY l.n)
+                                      FROM unnest(s.lapses, s.lapse_xids) WITH ORDINALITY AS l (at, xid, n)
+                                      WHERE l.at > p_acquired_at) END,
+           CASE WHEN s.id IS NULL THEN p_expired_xid
+                WHEN s.expires_at = p_expires_at AND p_expired_xid IS NOT NULL THEN p_expired_xid
+                ELSE s.expired_xid END,
            CASE WHEN s.id IS NULL THEN p_changed_xid ELSE s.changed_xid END
     FROM (SELECT) AS one
     LEFT JOIN LATERAL (
@@ -525,12 +530,19 @@ CREATE OR REPLACE FUNCTION helix_release_job_lock(p_lock_id bigint, p_token text
  SET plan_cache_mode = force_generic_plan
 AS $function$
 BEGIN
-    -- A lock of a session: the session's row first (KEY SHARE: only its renewal or end waits),
-    -- so that the lease copied into the history is the one in force at the end (0028). A lock on
-    -- its own: one read of the lock's id, nothing locked.
+    -- A lock of a session, of this token and organization: the session's row first, so that
+    -- the lease copied into the history is the one in force at the end, and no other transaction
+    -- announces that lease's expiry meanwhile (the sweep and acquires pass a locked row by, an
+    -- update waits): the end announces it itself, once (0028). A lock on its own: one read of
+    -- the lock's id, nothing locked.
     PERFORM FROM helix_sessions AS s
-    WHERE s.id = (SELECT h.session_id FROM helix_holds AS h WHERE h.id = p_lock_id)
-    FOR KEY SHARE;
+    WHERE s.id = (
+        SELECT h.session_id FROM helix_holds AS h
+        WHERE h.id = p_lock_id
+          AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
+          AND helix_digest(h.token) = helix_digest(p_token)
+    )
+    FOR NO KEY UPDATE;
     -- The hold ends in one statement when the token is its: no row lock first, no record of one
     -- in the WAL (4% of a cycle's bytes). Else the reason: HL001, HL002 or HL003.
     IF helix_end_holds(ARRAY[p_lock_id], NULL, 'released', NULL, p_token, p_organization_id) = 0 THEN
@@ -552,7 +564,7 @@ BEGIN
     -- A lock of a session: the session's row first, as a release takes it (0028).
     PERFORM FROM helix_sessions AS s
     WHERE s.id = (SELECT h.session_id FROM helix_holds AS h WHERE h.id = p_lock_id)
-    FOR KEY SHARE;
+    FOR NO KEY UPDATE;
     PERFORM FROM helix_holds AS h WHERE h.id = p_lock_id FOR UPDATE;
     IF NOT FOUND THEN
         PERFORM helix_raise_ended(p_lock_id, NULL, NULL, false);
@@ -570,21 +582,30 @@ CREATE OR REPLACE FUNCTION helix_update_job_lock(p_lock_id bigint, p_token text,
 AS $function$
 DECLARE
     v_lock helix_holds%ROWTYPE;
+    v_session_id bigint;
 BEGIN
-    -- A lock of a session whose lease ran out: the expiry is announced on the session's row
-    -- first (the order of locks: a session's row, then holds), as the hold's own would be for a
-    -- lock alone (helix_hold_changed), so that the stream sends it before the update (0028). Only
-    -- for the lock's holder: the token is checked first, its hold not yet locked.
-    UPDATE helix_sessions AS s SET expired_xid = pg_current_xact_id(), changed_xid = pg_current_xact_id()
-    FROM helix_holds AS h
-    WHERE h.id = p_lock_id AND s.id = h.session_id
-      AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
-      AND helix_digest(h.token) = helix_digest(p_token)
-      AND s.expired_xid IS NULL AND s.expires_at <= clock_timestamp() AND s.ended_at IS NULL;
+    -- A lock of a session, of this token and organization: the session's row first (the order
+    -- of locks: a session's row, then holds), as a release takes it.
+    SELECT s.id INTO v_session_id FROM helix_sessions AS s
+    WHERE s.id = (
+        SELECT h.session_id FROM helix_holds AS h
+        WHERE h.id = p_lock_id
+          AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
+          AND helix_digest(h.token) = helix_digest(p_token)
+    )
+    FOR NO KEY UPDATE;
     v_lock := helix_lock_for_holder(p_lock_id, p_token, p_organization_id, true);
     UPDATE helix_holds AS h SET metadata = p_metadata
     WHERE h.organization_id = v_lock.organization_id AND h.job_type = v_lock.job_type
       AND h.slot = v_lock.slot;
+    -- An update of a lock whose session's lease had run out by the update's own clock announces
+    -- that expiry, if no one did, in its transaction: the stream sends it before the update, as
+    -- for a lock alone (helix_hold_changed).
+    IF v_session_id IS NOT NULL THEN
+        UPDATE helix_sessions AS s SET expired_xid = pg_current_xact_id(), changed_xid = pg_current_xact_id()
+        WHERE s.id = v_session_id AND s.expired_xid IS NULL AND s.ended_at IS NULL
+          AND s.expires_at <= (SELECT h.updated_at FROM helix_holds AS h WHERE h.id = p_lock_id);
+    END IF;
     RETURN QUERY SELECT * FROM helix_held_locks AS v WHERE v.id = p_lock_id;
 END $function$;
 
@@ -614,15 +635,27 @@ BEGIN
         SELECT h.id, h.acquired_at, h.acquired_xid, l.lapses, l.lapse_xids, l.expires_at,
                l.expired_xid, l.renewed_at, l.renewed_xid, h.updated_at, h.updated_xid,
                NULL::timestamptz AS released_at, h.changed_xid
-        FROM helix_holds AS h
+        FROM (
+            -- The holds that changed, and those whose session's lease changed (the open sessions
+            -- of the organization, by the index of open sessions, then their holds by theirs):
+            -- the lease is read for them alone.
+            SELECT h.* FROM helix_holds AS h
+            WHERE (p_organization_id IS NULL OR h.organization_id = p_organization_id)
+              AND (p_job_type IS NULL OR h.job_type = p_job_type)
+              AND NOT pg_visible_in_snapshot(h.changed_xid, p_after)
+            UNION ALL
+            SELECT h.* FROM helix_sessions AS s
+            JOIN helix_holds AS h ON h.organization_id = s.organization_id AND h.session_id = s.id
+            WHERE s.ended_at IS NULL
+              AND (p_organization_id IS NULL OR s.organization_id = p_organization_id)
+              AND NOT pg_visible_in_snapshot(s.changed_xid, p_after)
+              AND (p_job_type IS NULL OR h.job_type = p_job_type)
+              AND pg_visible_in_snapshot(h.changed_xid, p_after)  -- not in the branch above
+        ) AS h
         CROSS JOIN LATERAL helix_hold_lease(
             h.session_id, h.acquired_at, h.expires_at, h.renewed_at, h.renewed_xid, h.lapses,
             h.lapse_xids, h.expired_xid, h.changed_xid
         ) AS l
-        WHERE (p_organization_id IS NULL OR h.organization_id = p_organization_id)
-          AND (p_job_type IS NULL OR h.job_type = p_job_type)
-          AND (NOT pg_visible_in_snapshot(h.changed_xid, p_after)
-               OR NOT pg_visible_in_snapshot(l.changed_xid, p_after))
         UNION ALL
         SELECT e.id, e.acquired_at, e.acquired_xid, e.lapses, e.lapse_xids, e.expires_at,
                e.expired_xid, e.renewed_at, e.renewed_xid, e.updated_at, e.updated_xid,
@@ -699,9 +732,14 @@ BEGIN
             WHERE h.organization_id = v_session.organization_id AND h.session_id = p_session_id
               AND h.added_key = p_idempotency_key
         );
+        -- The same call: the same job types, each with the same max_holders.
         IF cardinality(v_ids) > 0 AND (
-            SELECT array_agg(h.job_type ORDER BY h.job_type COLLATE "C") FROM helix_holds AS h WHERE h.id = ANY (v_ids)
-        ) = (SELECT array_agg(j ORDER BY j COLLATE "C") FROM unnest(p_job_types) AS j) THEN
+            SELECT array_agg((h.job_type, h.max_holders) ORDER BY h.job_type COLLATE "C")
+            FROM helix_holds AS h WHERE h.id = ANY (v_ids)
+        ) = (
+            SELECT array_agg((j.job_type, j.max_holders) ORDER BY j.job_type COLLATE "C")
+            FROM unnest(p_job_types, p_max_holders) AS j (job_type, max_holders)
+        ) THEN
             RETURN QUERY
                 SELECT * FROM helix_session_answer(p_session_id, p_organization_id, false, true) AS a
                 WHERE a.id = ANY (v_ids);
@@ -737,18 +775,41 @@ $function$;
 COMMENT ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,bigint,integer) IS 'helix_add_session_locks without an Idempotency-Key: the call of the build before migration 0028.';
 
 -- Every column of every lock (migration 0023's view), a lock of a session with its session's lease.
+-- Each column of a lease is a scalar subquery, asked for a lock of a session alone, so that the
+-- view's live branch stays one table that PostgreSQL merges into a query: a join on the lock's id
+-- reads the hold by its index (a lateral join here would read every hold).
 CREATE OR REPLACE VIEW helix_job_locks AS
 SELECT h.id, h.organization_id, h.job_type, h.holder, h.token, h.metadata, h.acquired_at,
-       l.expires_at, NULL::timestamptz AS released_at, NULL::text AS release_reason,
+       CASE WHEN h.session_id IS NULL THEN h.expires_at
+            ELSE (SELECT l.expires_at FROM helix_hold_lease(h.session_id, h.acquired_at, h.expires_at,
+                  h.renewed_at, h.renewed_xid, h.lapses, h.lapse_xids, h.expired_xid, h.changed_xid) AS l) END
+           AS expires_at,
+       NULL::timestamptz AS released_at, NULL::text AS release_reason,
        h.fencing_token, NULL::text AS forced_by, h.idempotency_key, h.reclaimed_lock_id,
-       h.reclaimed_holder, h.reclaimed_expired_at, h.replayed, h.acquired_xid, l.renewed_xid,
-       l.renewed_at, h.updated_xid, h.updated_at, h.changed_xid, l.lapses, h.max_holders, h.slot,
-       l.expired_xid, l.lapse_xids
+       h.reclaimed_holder, h.reclaimed_expired_at, h.replayed, h.acquired_xid,
+       CASE WHEN h.session_id IS NULL THEN h.renewed_xid
+            ELSE (SELECT l.renewed_xid FROM helix_hold_lease(h.session_id, h.acquired_at, h.expires_at,
+                  h.renewed_at, h.renewed_xid, h.lapses, h.lapse_xids, h.expired_xid, h.changed_xid) AS l) END
+           AS renewed_xid,
+       CASE WHEN h.session_id IS NULL THEN h.renewed_at
+            ELSE (SELECT l.renewed_at FROM helix_hold_lease(h.session_id, h.acquired_at, h.expires_at,
+                  h.renewed_at, h.renewed_xid, h.lapses, h.lapse_xids, h.expired_xid, h.changed_xid) AS l) END
+           AS renewed_at,
+       h.updated_xid, h.updated_at, h.changed_xid,
+       CASE WHEN h.session_id IS NULL THEN h.lapses
+            ELSE (SELECT l.lapses FROM helix_hold_lease(h.session_id, h.acquired_at, h.expires_at,
+                  h.renewed_at, h.renewed_xid, h.lapses, h.lapse_xids, h.expired_xid, h.changed_xid) AS l) END
+           AS lapses,
+       h.max_holders, h.slot,
+       CASE WHEN h.session_id IS NULL THEN h.expired_xid
+            ELSE (SELECT l.expired_xid FROM helix_hold_lease(h.session_id, h.acquired_at, h.expires_at,
+                  h.renewed_at, h.renewed_xid, h.lapses, h.lapse_xids, h.expired_xid, h.changed_xid) AS l) END
+           AS expired_xid,
+       CASE WHEN h.session_id IS NULL THEN h.lapse_xids
+            ELSE (SELECT l.lapse_xids FROM helix_hold_lease(h.session_id, h.acquired_at, h.expires_at,
+                  h.renewed_at, h.renewed_xid, h.lapses, h.lapse_xids, h.expired_xid, h.changed_xid) AS l) END
+           AS lapse_xids
 FROM helix_holds AS h
-CROSS JOIN LATERAL helix_hold_lease(
-    h.session_id, h.acquired_at, h.expires_at, h.renewed_at, h.renewed_xid, h.lapses,
-    h.lapse_xids, h.expired_xid, h.changed_xid
-) AS l
 UNION ALL
 SELECT e.id, e.organization_id, e.job_type, e.holder, e.token, e.metadata, e.acquired_at,
        e.expires_at, e.released_at, e.release_reason, e.fencing_token, e.forced_by,

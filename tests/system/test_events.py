@@ -383,12 +383,17 @@ async def test_a_sessions_renewals_and_lapse_are_events_of_each_of_its_locks(
             await watch.until(7, within=10)  # nobody renews: both lapse
             again = await http.post(renew, headers=token, json={"ttl_seconds": 30})
             assert again.status_code == 200 and again.json()["lapsed"] is True
+            # Each change is seen before the next: a poll folds renewals of one lock that commit
+            # within it, as a lock's own do.
+            await watch.until(9)
             added = await http.post(
                 f"/v1/sessions/{opened['id']}/locks", headers=token, json={"locks": [{"job_type": "c"}]}
             )
             assert added.status_code == 201, added.text
             c = added.json()["locks"][0]["id"]
+            await watch.until(10)
             assert (await http.post(renew, headers=token, json={"ttl_seconds": 30})).status_code == 200
+            await watch.until(13)
             assert (await http.delete(f"/v1/sessions/{opened['id']}", headers=token)).status_code == 204
             await watch.until(16)
             await watch.quiet()
