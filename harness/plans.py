@@ -122,6 +122,22 @@ LOOKUPS = [
         "helix_lock_history_pkey",
     ),
     (
+        "events: the locks' every column, joined by id (helix_job_locks, a session's lease included: 0028)",
+        "SELECT k.reclaimed_lock_id, k.forced_by, k.expires_at, k.lapses"
+        " FROM unnest($2::bigint[]) AS e (id) JOIN helix_job_locks AS k ON k.id = e.id"
+        " WHERE k.organization_id = $1",
+        ("organization_id", "ids"),
+        "helix_holds_id",
+    ),
+    (
+        "a session's call: its locks (helix_session_answer)",
+        "SELECT h.id FROM helix_sessions AS s"
+        " LEFT JOIN helix_holds AS h ON h.organization_id = s.organization_id AND h.session_id = s.id"
+        " WHERE s.id = $1 AND ($2::text IS NULL OR s.organization_id = $2)",
+        ("id", "organization_id"),
+        "helix_holds_session",
+    ),
+    (
         "an end: anyone waiting for the pair (helix_lock_released)",
         "SELECT 1 FROM helix_lock_waiters AS w WHERE w.organization_id = $1 AND w.job_type = $2"
         " AND w.until > clock_timestamp()",
