@@ -26,6 +26,11 @@
 -- - an update (PATCH) of a lock of a session whose lease ran out announces that expiry on the
 --   session's row before it changes the hold, as an update of a lock alone does on its hold.
 
+-- Everything this migration changes, locked at once and first, in the order the statements of the
+-- previous builds take them (a session's row before its holds; a view before its tables), so that
+-- a replica serving meanwhile waits for the migration rather than deadlocking with it.
+LOCK TABLE helix_sessions, helix_job_locks, helix_held_locks IN ACCESS EXCLUSIVE MODE;
+
 ALTER TABLE helix_sessions
     ADD COLUMN renewed_xid xid8,
     ADD COLUMN lapses timestamptz[],
@@ -522,6 +527,54 @@ BEGIN
 END $function$;
 COMMENT ON FUNCTION helix_acquire_job_lock(text,text,text,bigint,jsonb,text,integer) IS 'Grants a free slot of the pair, reclaiming expired locks and announcing the expiries of the others it leaves (0022), in one statement; or raises 23505 whose DETAIL names the lock whose lease runs out first and lists at most 20 holders, those whose leases run out first, with holders_total (0021): an answer bounded whatever max_holders. On the tables of migration 0023; a lock of a session with the session''s lease, judged with the session''s row locked when it ran out (0028).';
 
+-- A session's row, then one of its holds (the order of locks), never waiting for the hold while
+-- holding the row: a busy hold (a writer's open fencing check keeps it KEY SHARE as long as the
+-- writer's transaction lasts; an acquire of its pair, FOR UPDATE) is waited for holding nothing,
+-- in a subtransaction that lets it go, and both are asked for again. So a renewal, which takes the
+-- session's row alone, never waits for a writer, as with 0027. p_to_end: the hold FOR UPDATE (to
+-- end it), else FOR NO KEY UPDATE (to update it).
+CREATE FUNCTION helix_lock_session_and_hold(
+    p_session_id bigint, p_lock_id bigint, p_organization_id text, p_to_end boolean
+)
+ RETURNS void
+ LANGUAGE plpgsql
+AS $function$
+BEGIN
+    LOOP
+        BEGIN
+            PERFORM FROM helix_sessions AS s WHERE s.id = p_session_id FOR NO KEY UPDATE;
+            IF p_to_end THEN
+                PERFORM FROM helix_holds AS h
+                WHERE h.id = p_lock_id AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
+                FOR UPDATE NOWAIT;
+            ELSE
+                PERFORM FROM helix_holds AS h
+                WHERE h.id = p_lock_id AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
+                FOR NO KEY UPDATE NOWAIT;
+            END IF;
+            RETURN;  -- both kept to the end of the transaction
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;  -- the block's subtransaction let both go
+        END;
+        BEGIN
+            IF p_to_end THEN
+                PERFORM FROM helix_holds AS h
+                WHERE h.id = p_lock_id AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
+                FOR UPDATE;
+            ELSE
+                PERFORM FROM helix_holds AS h
+                WHERE h.id = p_lock_id AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
+                FOR NO KEY UPDATE;
+            END IF;
+            RAISE EXCEPTION 'the hold is free: let it go' USING ERRCODE = 'HL099';
+        EXCEPTION WHEN SQLSTATE 'HL099' THEN
+            NULL;
+        END;
+    END LOOP;
+END $function$;
+REVOKE EXECUTE ON FUNCTION helix_lock_session_and_hold(bigint,bigint,text,boolean) FROM PUBLIC;
+COMMENT ON FUNCTION helix_lock_session_and_hold(bigint,bigint,text,boolean) IS 'Row-locks a session and then one of its holds (FOR UPDATE to end it, else FOR NO KEY UPDATE), waiting for a busy hold without holding the session''s row, so that the session''s renewal never waits for whoever holds the hold (a writer''s fencing check). Migration 0028.';
+
 CREATE OR REPLACE FUNCTION helix_release_job_lock(p_lock_id bigint, p_token text, p_organization_id text)
  RETURNS SETOF helix_job_lock_views
  LANGUAGE plpgsql
@@ -529,20 +582,21 @@ CREATE OR REPLACE FUNCTION helix_release_job_lock(p_lock_id bigint, p_token text
  SET search_path FROM CURRENT
  SET plan_cache_mode = force_generic_plan
 AS $function$
+DECLARE
+    v_session_id bigint;
 BEGIN
     -- A lock of a session, of this token and organization: the session's row first, so that
     -- the lease copied into the history is the one in force at the end, and no other transaction
     -- announces that lease's expiry meanwhile (the sweep and acquires pass a locked row by, an
     -- update waits): the end announces it itself, once (0028). A lock on its own: one read of
     -- the lock's id, nothing locked.
-    PERFORM FROM helix_sessions AS s
-    WHERE s.id = (
-        SELECT h.session_id FROM helix_holds AS h
-        WHERE h.id = p_lock_id
-          AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
-          AND helix_digest(h.token) = helix_digest(p_token)
-    )
-    FOR NO KEY UPDATE;
+    SELECT h.session_id INTO v_session_id FROM helix_holds AS h
+    WHERE h.id = p_lock_id
+      AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
+      AND helix_digest(h.token) = helix_digest(p_token);
+    IF v_session_id IS NOT NULL THEN
+        PERFORM helix_lock_session_and_hold(v_session_id, p_lock_id, p_organization_id, true);
+    END IF;
     -- The hold ends in one statement when the token is its: no row lock first, no record of one
     -- in the WAL (4% of a cycle's bytes). Else the reason: HL001, HL002 or HL003.
     IF helix_end_holds(ARRAY[p_lock_id], NULL, 'released', NULL, p_token, p_organization_id) = 0 THEN
@@ -560,11 +614,14 @@ CREATE OR REPLACE FUNCTION helix_force_release_job_lock(p_lock_id bigint, p_key_
  SET search_path FROM CURRENT
  SET plan_cache_mode = force_generic_plan
 AS $function$
+DECLARE
+    v_session_id bigint;
 BEGIN
     -- A lock of a session: the session's row first, as a release takes it (0028).
-    PERFORM FROM helix_sessions AS s
-    WHERE s.id = (SELECT h.session_id FROM helix_holds AS h WHERE h.id = p_lock_id)
-    FOR NO KEY UPDATE;
+    SELECT h.session_id INTO v_session_id FROM helix_holds AS h WHERE h.id = p_lock_id;
+    IF v_session_id IS NOT NULL THEN
+        PERFORM helix_lock_session_and_hold(v_session_id, p_lock_id, NULL, true);
+    END IF;
     PERFORM FROM helix_holds AS h WHERE h.id = p_lock_id FOR UPDATE;
     IF NOT FOUND THEN
         PERFORM helix_raise_ended(p_lock_id, NULL, NULL, false);
@@ -586,14 +643,13 @@ DECLARE
 BEGIN
     -- A lock of a session, of this token and organization: the session's row first (the order
     -- of locks: a session's row, then holds), as a release takes it.
-    SELECT s.id INTO v_session_id FROM helix_sessions AS s
-    WHERE s.id = (
-        SELECT h.session_id FROM helix_holds AS h
-        WHERE h.id = p_lock_id
-          AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
-          AND helix_digest(h.token) = helix_digest(p_token)
-    )
-    FOR NO KEY UPDATE;
+    SELECT h.session_id INTO v_session_id FROM helix_holds AS h
+    WHERE h.id = p_lock_id
+      AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
+      AND helix_digest(h.token) = helix_digest(p_token);
+    IF v_session_id IS NOT NULL THEN
+        PERFORM helix_lock_session_and_hold(v_session_id, p_lock_id, p_organization_id, false);
+    END IF;
     v_lock := helix_lock_for_holder(p_lock_id, p_token, p_organization_id, true);
     UPDATE helix_holds AS h SET metadata = p_metadata
     WHERE h.organization_id = v_lock.organization_id AND h.job_type = v_lock.job_type

@@ -148,3 +148,59 @@ def test_a_session_lapsed_across_the_upgrade_expires_once_per_lock(
         )
         replay = [kind for _, kind in window(conn, before, snapshot(conn))]
         assert replay.count("expired") == 2 and replay.count("renewed") == 2, replay
+
+
+def test_a_release_waiting_for_a_writers_fencing_check_holds_up_nothing_else_of_its_session(
+    conn: Conn, db_url: str
+) -> None:
+    """A writer's open fencing check keeps lock a's hold (KEY SHARE) for its whole transaction, and
+    the holder's release of a waits for it; meanwhile the session's renewal and an update of its
+    lock b go through: the release waits for the hold without holding the session's row."""
+    rows = conn.execute(
+        "SELECT session_id, session_token, id, fencing_token FROM helix_open_session('acme', 'w', 30000,"
+        " NULL, NULL, ARRAY['a', 'b'], ARRAY[1, 1], 1000, NULL, 100, 100)"
+    ).fetchall()
+    session_id, token = int(rows[0][0]), str(rows[0][1])
+    (a, a_token), (b, _) = [(int(row[2]), int(row[3])) for row in rows]
+    done: dict[str, float] = {}
+
+    def call(name: str, statement: str, args: tuple[object, ...]) -> None:
+        with psycopg.connect(db_url, autocommit=True) as caller:
+            caller.execute(statement, args).fetchall()
+            done[name] = time.monotonic()
+
+    with psycopg.connect(db_url, autocommit=False) as writer:
+        current = writer.execute(
+            "SELECT helix_fencing_token_is_current('acme', 'a', %s)", (a_token,)
+        ).fetchone()
+        assert current == (True,)
+        release = threading.Thread(
+            target=call, args=("release", "SELECT id FROM helix_release_job_lock(%s, %s, 'acme')", (a, token))
+        )
+        release.start()
+        time.sleep(0.3)  # the release is waiting for the writer
+        others = [
+            threading.Thread(
+                target=call,
+                args=(
+                    "renew",
+                    "SELECT 1 FROM helix_renew_session(%s, %s, 30000, 'acme', 100)",
+                    (session_id, token),
+                ),
+            ),
+            threading.Thread(
+                target=call,
+                args=("update", "SELECT id FROM helix_update_job_lock(%s, %s, '{}', 'acme')", (b, token)),
+            ),
+        ]
+        for thread in others:
+            thread.start()
+        for thread in others:
+            thread.join(timeout=10)
+        assert set(done) == {"renew", "update"}, done  # answered while the writer still writes
+        writer.commit()
+        release.join(timeout=10)
+    assert "release" in done
+    assert conn.execute("SELECT release_reason FROM helix_lock_history WHERE id = %s", (a,)).fetchone() == (
+        "released",
+    )
