@@ -20,11 +20,14 @@
 --   cannot lock is a renewal or an end of that session in flight: the lock counts as held for
 --   now, and the 409 says to try again in a second. The renewal that comes after the reclaim
 --   waits for it and finds the lock lost, as before;
--- - a holder's release of one lock of a session, and an admin's force, take the session's row
---   FOR KEY SHARE first (only a renewal or an end, FOR UPDATE, waits for it), so that the lease
---   they copy into the history is the one in force when they end the lock;
--- - an update (PATCH) of a lock of a session whose lease ran out announces that expiry on the
---   session's row before it changes the hold, as an update of a lock alone does on its hold.
+-- - a holder's release of one lock of a session, an admin's force and an update (PATCH) take the
+--   session's row FOR NO KEY UPDATE, then the hold (helix_lock_session_and_hold: a busy hold is
+--   waited for holding nothing, so that the renewal never waits for a writer's fencing check).
+--   The lease they copy into the history is the one in force, and the sweep and acquires pass the
+--   row by meanwhile, so a lapse is announced once: by the end itself, or in the update's
+--   transaction (judged by the update's own clock), as an update of a lock alone does on its hold;
+-- - locks of sessions granted before this migration keep the lapses and expiries announced for
+--   them one by one (0027 announced holds one at a time), which helix_hold_lease reads first.
 
 -- Everything this migration changes, locked at once and first, in the order the statements of the
 -- previous builds take them (a session's row before its holds; a view before its tables), so that
