@@ -959,7 +959,7 @@ END $function$;
 REVOKE EXECUTE ON FUNCTION helix_digest(text) FROM PUBLIC;
 COMMENT ON FUNCTION helix_digest(text) IS 'SHA-256 of the text as UTF-8: tokens are compared by digest, so that a comparison''s time depends on nothing a guesser can steer (migration 0012).';
 
-CREATE OR REPLACE FUNCTION public.helix_end_holds(p_ids bigint[], p_at timestamp with time zone, p_reason text, p_forced_by text, p_token text DEFAULT NULL::text, p_organization_id text DEFAULT NULL::text)
+CREATE OR REPLACE FUNCTION public.helix_end_holds(p_ids bigint[], p_at timestamp with time zone, p_reason text, p_forced_by text, p_token text DEFAULT NULL::text, p_organization_id text DEFAULT NULL::text, p_alone boolean DEFAULT false)
  RETURNS integer
  LANGUAGE plpgsql
  SET plan_cache_mode TO 'force_generic_plan'
@@ -975,6 +975,7 @@ BEGIN
         WHERE h.id = ANY (p_ids)
           AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
           AND (p_token IS NULL OR helix_digest(h.token) = helix_digest(p_token))
+          AND (NOT p_alone OR h.session_id IS NULL)
         RETURNING h.*, coalesce(p_at, clock_timestamp()) AS ended_at
     ),
     inserted AS (
@@ -1005,8 +1006,8 @@ BEGIN
     SELECT count(*)::integer INTO v_count FROM inserted;
     RETURN v_count;
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_end_holds(bigint[],timestamp with time zone,text,text,text,text) FROM PUBLIC;
-COMMENT ON FUNCTION helix_end_holds(bigint[],timestamp with time zone,text,text,text,text) IS 'Ends live locks (release, force, reclaim): deletes their holds and inserts their history rows, with the lease in force (helix_hold_lease: a session''s, 0028) and session_id, dated p_at (NULL: the clock as each is deleted), in one statement; returns how many. Either the caller has locked the holds FOR UPDATE, or it gives the token (and organization) that a hold must have to end.';
+REVOKE EXECUTE ON FUNCTION helix_end_holds(bigint[],timestamp with time zone,text,text,text,text,boolean) FROM PUBLIC;
+COMMENT ON FUNCTION helix_end_holds(bigint[],timestamp with time zone,text,text,text,text,boolean) IS 'Ends live locks (release, force, reclaim): deletes their holds and inserts their history rows, with the lease in force (helix_hold_lease: a session''s, 0028) and session_id, dated p_at (NULL: the clock as each is deleted), in one statement; returns how many. Either the caller has locked the holds FOR UPDATE, or it gives the token (and organization) that a hold must have to end. p_alone: locks on their own only.';
 
 CREATE OR REPLACE FUNCTION public.helix_end_session(p_session helix_sessions, p_at timestamp with time zone, p_reason text)
  RETURNS void
@@ -1751,24 +1752,26 @@ AS $function$
 DECLARE
     v_session_id bigint;
 BEGIN
-    -- A lock of a session, of this token and organization: the session's row first, so that
-    -- the lease copied into the history is the one in force at the end, and no other transaction
-    -- announces that lease's expiry meanwhile (the sweep and acquires pass a locked row by, an
-    -- update waits): the end announces it itself, once (0028). A lock on its own: one read of
-    -- the lock's id, nothing locked.
-    SELECT h.session_id INTO v_session_id FROM helix_holds AS h
-    WHERE h.id = p_lock_id
-      AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
-      AND helix_digest(h.token) = helix_digest(p_token);
-    IF v_session_id IS NOT NULL THEN
-        PERFORM helix_lock_session_and_hold(v_session_id, p_lock_id, p_organization_id, true);
-    END IF;
-    -- The hold ends in one statement when the token is its: no row lock first, no record of one
-    -- in the WAL (4% of a cycle's bytes). Else the reason: HL001, HL002 or HL003.
-    IF helix_end_holds(ARRAY[p_lock_id], NULL, 'released', NULL, p_token, p_organization_id) = 0 THEN
-        PERFORM helix_lock_for_holder(p_lock_id, p_token, p_organization_id, false);
-        -- Not reached while a lock's id and token never change; should it be, the lock ends.
-        PERFORM helix_end_holds(ARRAY[p_lock_id], clock_timestamp(), 'released', NULL);
+    -- A lock on its own ends in one statement when the token is its: no row lock first, no record
+    -- of one in the WAL (4% of a cycle's bytes), no other read.
+    IF helix_end_holds(ARRAY[p_lock_id], NULL, 'released', NULL, p_token, p_organization_id, true) = 0 THEN
+        -- A lock of a session, of this token and organization: the session's row first, so that
+        -- the lease copied into the history is the one in force at the end, and no other
+        -- transaction announces that lease's expiry meanwhile (the sweep and acquires pass a
+        -- locked row by, an update waits): the end announces it itself, once (0028).
+        SELECT h.session_id INTO v_session_id FROM helix_holds AS h
+        WHERE h.id = p_lock_id
+          AND (p_organization_id IS NULL OR h.organization_id = p_organization_id)
+          AND helix_digest(h.token) = helix_digest(p_token);
+        IF v_session_id IS NOT NULL THEN
+            PERFORM helix_lock_session_and_hold(v_session_id, p_lock_id, p_organization_id, true);
+        END IF;
+        -- Else the reason: HL001, HL002 or HL003.
+        IF helix_end_holds(ARRAY[p_lock_id], NULL, 'released', NULL, p_token, p_organization_id) = 0 THEN
+            PERFORM helix_lock_for_holder(p_lock_id, p_token, p_organization_id, false);
+            -- Not reached while a lock's id and token never change; should it be, the lock ends.
+            PERFORM helix_end_holds(ARRAY[p_lock_id], clock_timestamp(), 'released', NULL);
+        END IF;
     END IF;
     RETURN QUERY SELECT * FROM helix_ended_locks AS v WHERE v.id = p_lock_id;
 END $function$;

@@ -145,7 +145,7 @@ def _session(record: Record, http: httpx.Client, chance: random.Random, wait: fl
             record.released.extend(ids)
 
 
-def race(db_url: str, tmp_path: Path, seconds: float) -> tuple[Record, list[Grant]]:
+def race(db_url: str, tmp_path: Path, seconds: float) -> tuple[Record, list[Grant], list[str]]:
     record = Record()
     with ExitStack() as stack:
         urls = [
@@ -167,12 +167,11 @@ def race(db_url: str, tmp_path: Path, seconds: float) -> tuple[Record, list[Gran
     grants = database_history(db_url)
     violations = check(grants, record.told, record.renewed, record.released, record.release_attempts)
     violations += check_sessions(grants, record.asked, session_openings(db_url))
-    assert violations == [], "\n".join(violations[:20])
     expected = {"acquire 201", "acquire 409", "release 204", "open 201", "open 409", "renew 200", "end 204"}
     assert set(record.answers) <= expected, record.answers
     # Every request was answered within its own wait and a margin: nothing waited on a deadlock.
     assert record.slowest < 5, record.slowest
-    return record, grants
+    return record, grants, violations
 
 
 def exercised(record: Record, grants: list[Grant]) -> None:
@@ -187,13 +186,17 @@ def exercised(record: Record, grants: list[Grant]) -> None:
 def test_sessions_over_overlapping_sets_are_granted_whole_or_not_at_all_under_racing_clients(
     db_url: str, tmp_path: Path
 ) -> None:
-    exercised(*race(db_url, tmp_path, seconds=20))
+    record, grants, violations = race(db_url, tmp_path, seconds=20)
+    assert violations == [], "\n".join(violations[:20])
+    exercised(record, grants)
 
 
 @pytest.mark.fault
 @pytest.mark.timeout(300)  # two minutes of racing, and the replicas' start and stop
 def test_two_minutes_of_racing_sessions_hold_no_set_in_part(db_url: str, tmp_path: Path) -> None:
-    exercised(*race(db_url, tmp_path, seconds=120))
+    record, grants, violations = race(db_url, tmp_path, seconds=120)
+    assert violations == [], "\n".join(violations[:20])
+    exercised(record, grants)
 
 
 def test_the_session_checker_finds_a_set_granted_in_part() -> None:

@@ -216,6 +216,12 @@ def json_body(body: BaseModel, status_code: int = 200, headers: Mapping[str, str
 router = APIRouter(prefix="/v1", tags=["locks"], route_class=query.Route)
 
 
+def scoped_key(caller: Caller, idempotency_key: str | None) -> str | None:
+    """An Idempotency-Key as the database keeps it: scoped to the caller's API key, so that another
+    key's repeat is a different request."""
+    return None if idempotency_key is None else f"{caller.key_id or 'anonymous'}/{idempotency_key}"
+
+
 @router.post(
     "/locks",
     status_code=201,
@@ -270,8 +276,7 @@ async def acquire(
             body.holder,
             ttl_ms(body.ttl_seconds),
             body.metadata,
-            # Scoped to the caller's API key: another key's repeat is a different request.
-            None if idempotency_key is None else f"{caller.key_id or 'anonymous'}/{idempotency_key}",
+            scoped_key(caller, idempotency_key),
             waiting=body.wait_seconds > 0,
             max_holders=body.max_holders,
         )
@@ -598,7 +603,7 @@ async def open_session(
     answered.about(body.organization_id, None)
     logs.bind(holder=body.holder)
     caller, sessions = session.caller, services(request).sessions
-    key = None if idempotency_key is None else f"{caller.key_id or 'anonymous'}/{idempotency_key}"
+    key = scoped_key(caller, idempotency_key)
 
     async def attempt() -> Session:
         return await sessions.open(
@@ -670,7 +675,7 @@ async def add_session_locks(
     session = await authorized(request)
     id_ = known_session_id(session_id)
     caller, found = session.caller, services(request)
-    key = None if idempotency_key is None else f"{caller.key_id or 'anonymous'}/{idempotency_key}"
+    key = scoped_key(caller, idempotency_key)
 
     # The session's organization: the quota the grants count against, and where a wait listens.
     # An organization's key names it (a session of another one is not found all the same).

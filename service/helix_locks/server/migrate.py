@@ -66,8 +66,6 @@ EARLIER_CHECKSUMS = {
     "0013_quota_in_the_database.sql": {"511b42800085f53c667521420a1b5593abf0441c575101dc0b60eb68bafcfc42"},
     "0015_update_metadata.sql": {"765bb0ede2543f313c4f22ffd3a4a0ea812444d782430df4eb828f38dbee6502"},
     "0020_quota_exact.sql": {"601dcabbb46c3fa5f19ab02d89cb42d695aa8ce3b473bb6ccb4f9bf640bd3e27"},
-    # 0028's header as committed at 2a76918, before it told the locking protocol that commit built.
-    "0028_a_session_renews_one_row.sql": {"15486fa96194821727c07de57ca9f0e3a4b327d0a1da6342861ca7a00f293c76"},
 }
 
 
