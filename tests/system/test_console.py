@@ -40,7 +40,7 @@ EXACT_POLICY = (
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Chrome]:
+def chromium() -> Iterator[Chrome]:
     """One headless chromium for the module, its console log kept, every name but 127.0.0.1 unresolvable."""
     driver: Chrome = offline_chromium(console_log=True)
     driver.set_window_size(1280, 800)
@@ -48,6 +48,15 @@ def browser() -> Iterator[Chrome]:
         yield driver
     finally:
         driver.quit()
+
+
+@pytest.fixture
+def browser(chromium: Chrome) -> Chrome:
+    """The module's chromium on a blank page, its log emptied: an earlier test's page, whose service
+    has gone, no longer runs and can write no error into this test's log."""
+    chromium.get("about:blank")
+    console_log(chromium)
+    return chromium
 
 
 @pytest.fixture
@@ -111,7 +120,6 @@ def bar(browser: Chrome, kind: str) -> dict[str, Any] | None:
 
 def open_console(browser: Chrome, url: str, key: str | None = None) -> None:
     """Load the console, sign in with the key if given, and wait until it follows the events."""
-    console_log(browser)  # what an earlier test left
     browser.get(f"{url}/console")
     if key is not None:
         field = wait_for(browser, lambda b: b.find_element(By.ID, "api-key"))
@@ -519,7 +527,6 @@ def test_an_organization_key_is_offered_no_force_and_the_service_refuses_it(
     acme = keys.create(db_url, "acme")
     with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
         lock = acquire(url, "nightly-report", "worker-1", acme)
-        console_log(browser)
         browser.get(f"{url}/console")
         field = wait_for(browser, lambda b: b.find_element(By.ID, "api-key"))
         wait_for(browser, lambda b: field.is_displayed())
@@ -596,7 +603,6 @@ def test_the_console_recovers_from_cut_streams_410s_and_failed_requests(
         FaultyProxy(url) as proxy,
     ):
         acquire(url, "nightly-report", "worker-1", admin)
-        console_log(browser)
         browser.get(f"{proxy.url}/console")
         field = wait_for(browser, lambda b: b.find_element(By.ID, "api-key"))
         wait_for(browser, lambda b: field.is_displayed())
@@ -654,7 +660,6 @@ def test_the_force_dialog_keyboard_sign_out_bad_keys_and_long_values(
         reversing = acquire(url, "bidi", "\u202eevil\u202c", admin, organization_id="mmm")
 
         # A pasted key with a character no header can carry is refused at once, and kept nowhere.
-        console_log(browser)
         browser.get(f"{url}/console")
         field = wait_for(browser, lambda b: b.find_element(By.ID, "api-key"))
         wait_for(browser, lambda b: field.is_displayed())
