@@ -142,7 +142,7 @@ LOOKUPS = [
         "SELECT 1 FROM helix_lock_waiters AS w WHERE w.organization_id = $1 AND w.job_type = $2"
         " AND w.until > clock_timestamp()",
         ("organization_id", "job_type"),
-        "helix_lock_waiters_key",
+        "helix_lock_waiters_queue",
     ),
 ]
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -102,6 +104,21 @@ def _first_event(url: str) -> dict[str, Any]:
     raise AssertionError("the stream ended before an event")
 
 
+def _a_queue(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """GET /v1/locks/queue while one acquire waits for the held key (its 2 s wait runs out after)."""
+    waiting = {**body, "holder": "worker-9@host-1", "wait_seconds": 2}
+    with ThreadPoolExecutor(1) as pool:
+        waiter = pool.submit(httpx.post, f"{url}/v1/locks", json=waiting, timeout=10)
+        deadline = time.monotonic() + 10
+        page: dict[str, Any] = {"items": []}
+        while not page["items"]:
+            page = httpx.get(f"{url}/v1/locks/queue", params=KEY, timeout=10).json()
+            assert time.monotonic() < deadline, "the waiter never took its place"
+            time.sleep(0.02)
+        assert waiter.result().status_code == 409
+    return page
+
+
 @pytest.fixture(scope="module")
 def answers(server_url: str, template_name: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """What the service answers on each route a sample shows, by the samples' names."""
@@ -123,6 +140,7 @@ def answers(server_url: str, template_name: str, tmp_path_factory: pytest.TempPa
             assert (acquired.status_code, held.status_code, lock.status_code) == (201, 409, 200)
             request = document["components"]["schemas"]["AcquireRequest"]["properties"]
             return {
+                "queue-page": _a_queue(url, body),
                 "acquire": acquired.json(),
                 "lock-held": held.json(),
                 "lock": lock.json(),

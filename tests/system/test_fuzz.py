@@ -26,10 +26,11 @@ from helix_locks.server.problems import MEDIA_TYPE
 # its parameters and problems).
 schema = schemathesis.openapi.from_path(ROOT / "openapi.json").exclude(path="/v1/events")
 EXAMPLES = int(os.environ.get("HELIX_FUZZ_EXAMPLES", "50"))
-# Where a schema-valid request may rightly be refused (below): a listing, an acquire, an update,
-# a session's opening or added locks.
+# Where a schema-valid request may rightly be refused (below): a listing or a queue (a cursor),
+# an acquire, an update, a session's opening or added locks.
 VAGUE = {
     ("GET", "/v1/locks"),
+    ("GET", "/v1/locks/queue"),
     ("POST", "/v1/locks"),
     ("PATCH", "/v1/locks/{lock_id}"),
     ("POST", "/v1/sessions"),

@@ -51,6 +51,7 @@ async def test_every_route_refuses_a_query_parameter_it_does_not_declare(client:
         ("POST", "/v1/locks?org=acme", {"json": lock_body(job_type="not-granted")}),
         ("GET", "/v1/locks?org=acme", {}),
         ("GET", f"/v1/locks/current?{key}&org=acme", {}),
+        ("GET", f"/v1/locks/queue?{key}&org=acme", {}),
         ("GET", f"{at}?org=acme", {}),
         ("DELETE", f"{at}?org=acme", {"headers": token}),
         ("POST", f"{at}/renew?org=acme", {"headers": token, "json": {"ttl_seconds": 1}}),

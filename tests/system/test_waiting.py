@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import httpx
 import psycopg
@@ -20,7 +20,7 @@ from asgi_lifespan import LifespanManager
 from harness.processes import running_service
 from helix_locks.server.app import create_app
 from helix_locks.server.errors import DatabaseUnavailable, LockHeld
-from helix_locks.server.locks import Grant
+from helix_locks.server.locks import Grant, Place
 from helix_locks.server.waiting import Waiters
 from tests.support import ROUTE, Conn, in_process
 
@@ -288,17 +288,15 @@ async def test_a_lapsed_registration_announces_nothing(
     assert rows == [("other",)]
 
 
-async def test_a_registration_that_fails_leaves_the_waiter_on_its_timer() -> None:
-    """The database refusing the registration is no reason to give up the wait: the waiter wakes
-    at the holder's expiry instead (no database here at all: every call is a stand-in)."""
-    granted = cast(Grant, object())
-    attempts: list[float] = []
+async def test_a_place_the_database_refuses_ends_the_wait_with_503() -> None:
+    """A waiter that cannot take its place in the queue (the database is away) cannot wait its
+    turn: it answers DatabaseUnavailable (503, try again) after its one attempt, and holds nothing
+    (no database here at all: every call is a stand-in)."""
+    attempts: list[Place | None] = []
 
-    async def attempt() -> Grant:
-        attempts.append(time.monotonic())
-        if len(attempts) < 3:
-            raise LockHeld(7, "holder", None, 1)
-        return granted
+    async def attempt(place: Place | None) -> Grant:
+        attempts.append(place)
+        raise LockHeld(7, "holder", None, 1)
 
     async def remaining_ms(lock_id: int) -> int:
         return 200
@@ -307,16 +305,16 @@ async def test_a_registration_that_fails_leaves_the_waiter_on_its_timer() -> Non
         raise AssertionError("nothing to release")
 
     @asynccontextmanager
-    async def announced() -> AsyncIterator[None]:
+    async def queued() -> AsyncIterator[Place]:
         raise DatabaseUnavailable("connection refused")
-        yield
+        yield Place(1)
 
     gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     waiters = Waiters(10, 10)
-    result = await waiters.acquire(("acme", "report"), 5, attempt, remaining_ms, release, gone, announced)
-    assert result is granted
-    assert len(attempts) == 3
-    assert attempts[1] - attempts[0] >= 0.19, "waited for the holder's expiry, not retried at once"
+    with pytest.raises(DatabaseUnavailable):
+        await waiters.acquire(("acme", "report"), 5, attempt, remaining_ms, release, gone, queued)
+    assert attempts == [None], "one attempt without a place, none after"
+    assert waiters.count == 0
 
 
 async def test_one_organization_filling_its_waiting_share_leaves_the_others_theirs(db_url: str) -> None:

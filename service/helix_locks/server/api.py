@@ -9,7 +9,7 @@ import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypedDict, TypeVar
+from typing import Annotated, Any, Literal, ParamSpec, TypedDict, TypeVar
 from urllib.parse import SplitResult, urlsplit
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
@@ -43,11 +43,12 @@ from helix_locks.server.errors import (
     TooManyWatchers,
     Unauthenticated,
     UnsupportedMediaType,
+    WaitersAhead,
     WaitInterrupted,
 )
 from helix_locks.server.events import EventHub
 from helix_locks.server.keys import ANONYMOUS, Caller, KeyRing
-from helix_locks.server.locks import Grant, Locks, State
+from helix_locks.server.locks import Grant, Locks, Place, State
 from helix_locks.server.outcome import Outcome, outcome
 from helix_locks.server.schemas import (
     AcquireRequest,
@@ -58,6 +59,8 @@ from helix_locks.server.schemas import (
     OpenedSessionBody,
     OpenSessionRequest,
     PageBody,
+    PlaceBody,
+    QueuePageBody,
     RenewalBody,
     RenewRequest,
     SessionBody,
@@ -72,6 +75,7 @@ from helix_locks.server.waiting import Waiters
 
 BIGINT_MAX = 2**63 - 1
 T = TypeVar("T")
+P = ParamSpec("P")
 IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
 
 
@@ -236,6 +240,7 @@ def scoped_key(caller: Caller, idempotency_key: str | None) -> str | None:
             Unauthenticated,
             Forbidden,
             LockHeld,
+            WaitersAhead,
             MaxHoldersMismatch,
             UnsupportedMediaType,
             InvalidRequest,
@@ -268,7 +273,7 @@ async def acquire(
     logs.bind(holder=body.holder)
     locks, caller = session.locks, session.caller
 
-    async def attempt() -> Grant:
+    async def attempt(place: Place | None = None) -> Grant:
         return await locks.acquire(
             caller,
             body.organization_id,
@@ -279,6 +284,7 @@ async def acquire(
             scoped_key(caller, idempotency_key),
             waiting=body.wait_seconds > 0,
             max_holders=body.max_holders,
+            place=place,
         )
 
     try:
@@ -302,7 +308,7 @@ async def acquire(
 async def _wait_for(
     request: Request,
     body: AcquireRequest,
-    attempt: Callable[[], Awaitable[Grant]],
+    attempt: Callable[[Place | None], Awaitable[Grant]],
     locks: Locks,
     caller: Caller,
 ) -> Grant:
@@ -322,10 +328,16 @@ async def _wait_for(
             locks.remaining_ms,
             release,
             gone,
-            # Registered for as long as this request may wait, and a margin: it is deleted
-            # when the wait ends, and expires in case this process dies first.
-            lambda: locks.announcing(body.organization_id, body.job_type, body.wait_seconds + 60),
-            body.max_holders,
+            # A place for as long as this request may wait, and a second: it is left when the
+            # wait ends, and lapses sooner if this process dies first.
+            lambda: locks.queued(
+                body.organization_id,
+                body.job_type,
+                body.holder,
+                body.max_holders,
+                body.wait_seconds + 1,
+                found.waiters.replica,
+            ),
         )
 
 
@@ -346,14 +358,14 @@ async def _client_gone(request: Request) -> AsyncIterator[asyncio.Future[None]]:
         watcher.cancel()
 
 
-def _still_allowed(request: Request, attempt: Callable[[], Awaitable[T]]) -> Callable[[], Awaitable[T]]:
+def _still_allowed(request: Request, attempt: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
     """attempt, each time after checking the request's key again: a key revoked while its request
     waits is refused before the next attempt, not granted."""
     keys, authorization = services(request).keys, request.headers.get("authorization")
 
-    async def attempt_if_still_allowed() -> T:
+    async def attempt_if_still_allowed(*args: P.args, **kwargs: P.kwargs) -> T:
         await keys.authenticate(authorization)
-        return await attempt()
+        return await attempt(*args, **kwargs)
 
     return attempt_if_still_allowed
 
@@ -423,6 +435,41 @@ async def current(
     session = await authorized(request)
     lock = await session.locks.current(session.caller, organization_id, job_type, slot)
     return json_body(LockBody.of(lock))
+
+
+@router.get(
+    "/locks/queue",
+    response_model=QueuePageBody,
+    summary="The queue of a key",
+    operation_id="lockQueue",
+    openapi_extra=BEARER_REQUIRED,
+    response_description="One page of the acquires waiting for the key, first come first.",
+    responses=problems.responses(Unauthenticated, Forbidden, InvalidRequest, DatabaseUnavailable),
+)
+async def lock_queue(
+    request: Request,
+    organization_id: Identifier,
+    job_type: Identifier,
+    limit: Annotated[int, Query(ge=1, le=500, description="At most this many places, 1 to 500.")] = 100,
+    cursor: Annotated[
+        str | None,
+        Query(max_length=2048, description="The next_cursor of the previous page, with the same key."),
+    ] = None,
+) -> Response:
+    """The acquires waiting for the key (wait_seconds), in the order they will be granted."""
+    session = await authorized(request)
+    rows, next_cursor = await session.locks.queue(session.caller, organization_id, job_type, limit, cursor)
+    items = [
+        PlaceBody(
+            holder=row["holder"],
+            max_holders=row["max_holders"],
+            waiting_since=row["waiting_since"],
+            wait_until=row["until"],
+            position=row["position"],
+        )
+        for row in rows
+    ]
+    return json_body(QueuePageBody(items=items, next_cursor=next_cursor))
 
 
 @router.get(
@@ -558,7 +605,7 @@ def _wanted(locks: list[SessionLockRequest]) -> Wanted:
 
 
 # What a session's grant may answer besides its own problems: the refusals of its pairs.
-SESSION_GRANT_PROBLEMS = (LockHeld, MaxHoldersMismatch, QuotaExceeded, SessionFull)
+SESSION_GRANT_PROBLEMS = (LockHeld, WaitersAhead, MaxHoldersMismatch, QuotaExceeded, SessionFull)
 
 
 @router.post(

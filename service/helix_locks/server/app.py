@@ -218,6 +218,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 {queries.KEYS_CHANNEL: keys.reload, queries.RELEASED_CHANNEL: waiters.released},
                 probe,
                 settings.statement_timeout_ms,
+                waiters.replica,
             )
             await listener.start()
             stack.push_async_callback(listener.stop)

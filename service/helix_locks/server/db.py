@@ -34,6 +34,7 @@ from helix_locks.server.errors import (
     ShareEnded,
     TokenMismatch,
     TooManySessions,
+    WaitersAhead,
 )
 from helix_locks.server.settings import Settings
 
@@ -54,10 +55,21 @@ def _time(value: Any) -> datetime | None:
 
 
 def _lock_held(exc: psycopg.Error) -> LockError:
-    """A full pair, or (migration 0017) held locks of another max_holders."""
+    """A full pair, or (migration 0017) held locks of another max_holders, or (0029) places of the
+    pair's queue before the acquire."""
     detail = _detail(exc)
     if detail.get("max_holders_in_force") is not None:
         return MaxHoldersMismatch(int(detail["max_holders_in_force"]), detail.get("job_type"))
+    if detail.get("waiting") is not None:  # the pair's queue is in the way (0029)
+        return WaitersAhead(
+            None,
+            None,
+            None,
+            int(detail.get("retry_after_seconds", 1)),
+            job_type=detail.get("job_type"),
+            waiting=int(detail["waiting"]),
+            ahead=int(detail.get("ahead") or 0),
+        )
     holders = [
         Holder(h["lock_id"], h["holder"], h["slot"], datetime.fromisoformat(h["expires_at"]))
         for h in detail.get("holders") or ()

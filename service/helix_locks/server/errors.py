@@ -43,6 +43,15 @@ class LockHeld(LockError):
 
 
 @dataclass
+class WaitersAhead(LockHeld):
+    """Places in the pair's queue come before this acquire (any place, for an acquire that does not
+    wait) and take the free slots there are: `waiting` places in all, `ahead` of them first."""
+
+    waiting: int = 0
+    ahead: int = 0
+
+
+@dataclass
 class MaxHoldersMismatch(LockError):
     """The key's held locks share another max_holders than the acquire named."""
 

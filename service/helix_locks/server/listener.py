@@ -67,12 +67,20 @@ async def check_notifications(listen_url: str, send_url: str) -> None:
 
 class Listener:
     """Calls a channel's callback on each notification, and every callback after each (re)connect,
-    since notifications sent while disconnected are lost; `connected` says whether to trust it."""
+    since notifications sent while disconnected are lost; `connected` says whether to trust it.
+    Its connection carries `application_name`: while it is open, the database counts the places
+    this process holds in the pairs' queues as live (migration 0029)."""
 
     def __init__(
-        self, conninfo: str, channels: Mapping[str, Callback], probe: Probe, statement_timeout_ms: int
+        self,
+        conninfo: str,
+        channels: Mapping[str, Callback],
+        probe: Probe,
+        statement_timeout_ms: int,
+        application_name: str = CONNECTION_KWARGS["application_name"],
     ) -> None:
         self.conninfo = conninfo
+        self.application_name = application_name
         self.channels = dict(channels)
         self.probe = probe
         self.statement_timeout_ms = statement_timeout_ms
@@ -107,7 +115,8 @@ class Listener:
             await asyncio.sleep(pause)
 
     async def _listen(self) -> None:
-        async with await psycopg.AsyncConnection.connect(self.conninfo, **CONNECTION_KWARGS) as conn:
+        kwargs = {**CONNECTION_KWARGS, "application_name": self.application_name}
+        async with await psycopg.AsyncConnection.connect(self.conninfo, **kwargs) as conn:
             await configure_session(conn, self.statement_timeout_ms)
             for channel in (*self.channels, queries.PROBE_CHANNEL):
                 await conn.execute(queries.LISTEN.format(psycopg.sql.Identifier(channel)))

@@ -105,9 +105,21 @@ class Page:
     next_cursor: str | None
 
 
-def _encode_cursor(state: State | None, key: list[Any]) -> str:
+def _encode_cursor(state: str | None, key: list[Any]) -> str:
     raw = json.dumps({"s": state, "k": key}, separators=(",", ":")).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_queue_cursor(cursor: str) -> int:
+    """The place a queue's cursor carries; InvalidArgument unless a queue's listing made it."""
+    try:
+        data = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        match data:
+            case {"s": "queue", "k": [int() as after]} if not isinstance(after, bool) and 0 < after < 2**63:
+                return after
+        raise ValueError("not a queue's cursor")
+    except (ValueError, TypeError, RecursionError, binascii.Error) as exc:
+        raise InvalidArgument("cursor", "not a cursor of this queue") from exc
 
 
 # Above every slot: a cursor of a build before semaphores named a key, all of whose locks were seen.
@@ -158,6 +170,14 @@ def storable_text(value: str) -> bool:
 # An acquire's statement parameters (queries.ACQUIRE_WITHIN_QUOTA's, without the quota): the
 # quota reads the organization, and asks with them whether the acquire would add a live lock.
 Acquiring = dict[str, Any]
+
+
+@dataclass
+class Place:
+    """A waiting acquire's place in its pair's queue (migration 0029)."""
+
+    id: int
+    granted: bool = False  # consumed by the acquire's grant: nothing left to leave
 
 
 @dataclass
@@ -381,11 +401,14 @@ class Locks:
         idempotency_key: str | None = None,
         waiting: bool = False,
         max_holders: int = 1,
+        place: Place | None = None,
     ) -> Grant:
-        """Grant the lock (a free slot of up to max_holders), or raise LockHeld (every slot held)
-        or MaxHoldersMismatch (held with another max_holders). A repeat with the same idempotency
-        key, while the lock it got is live, answers that same grant. `waiting`: an attempt of a
-        waiting acquire, woken by a release (no refusal for the quota on what was known before it)."""
+        """Grant the lock (a free slot of up to max_holders), or raise LockHeld (every slot held),
+        WaitersAhead (places of the pair's queue come first) or MaxHoldersMismatch (held with
+        another max_holders). A repeat with the same idempotency key, while the lock it got is
+        live, answers that same grant. `waiting`: an attempt of a waiting acquire, woken by a
+        release (no refusal for the quota on what was known before it); `place`: its place in the
+        queue, which its grant consumes."""
         caller.may_act_in(organization_id)
         params: Acquiring = {
             "organization_id": organization_id,
@@ -395,6 +418,7 @@ class Locks:
             "metadata": None if metadata is None else Jsonb(metadata),
             "idempotency_key": idempotency_key,
             "max_holders": max_holders,
+            "place": None if place is None else place.id,
         }
         share = await self.quota.admit(params, waiting=waiting)
         row: DictRow | None = None
@@ -418,6 +442,8 @@ class Locks:
         except QuotaExceeded:
             self.quota.refused(organization_id)
             raise
+        if place is not None:
+            place.granted = True
         reclaimed = None
         if row["reclaimed_lock_id"] is not None:
             reclaimed = Reclaimed(
@@ -443,6 +469,48 @@ class Locks:
         finally:
             with contextlib.suppress(LockError):  # the database is away: the row expires
                 await self.db.fetch_all(queries.STOP_WAITING, {"id": row["id"]})
+
+    @asynccontextmanager
+    async def queued(
+        self, organization_id: str, job_type: str, holder: str, max_holders: int, seconds: float, replica: str
+    ) -> AsyncIterator[Place]:
+        """While inside, a place in the pair's queue held by this replica, which also has the
+        pair's ends announced (NOTIFY); it expires by itself after `seconds`, should this process
+        die meanwhile. Left on the way out unless a grant consumed it."""
+        params = {
+            "organization_id": organization_id,
+            "job_type": job_type,
+            "holder": holder,
+            "max_holders": max_holders,
+            "seconds": seconds,
+            "replica": replica,
+        }
+        place = Place((await self.db.fetch_first(queries.TAKE_PLACE, params))["id"])
+        try:
+            yield place
+        finally:
+            if not place.granted:
+                with contextlib.suppress(LockError):  # the database is away: the place expires
+                    await self.db.fetch_all(
+                        queries.LEAVE_QUEUE, {"id": place.id, "organization_id": organization_id}
+                    )
+
+    async def queue(
+        self, caller: Caller, organization_id: str, job_type: str, limit: int, cursor: str | None
+    ) -> tuple[list[DictRow], str | None]:
+        """One page of the pair's queue: its live places in order, each with its position."""
+        if caller.scope not in (None, organization_id):
+            return [], None  # another organization's queue does not exist for this caller
+        after = _decode_queue_cursor(cursor) if cursor else 0
+        params = {
+            "organization_id": organization_id,
+            "job_type": job_type,
+            "after": after,
+            "limit": limit + 1,
+        }
+        rows = await self.db.fetch_all(queries.QUEUE, params)
+        next_cursor = _encode_cursor("queue", [rows[limit - 1]["id"]]) if len(rows) > limit else None
+        return rows[:limit], next_cursor
 
     async def release(self, caller: Caller, lock_id: int, token: str) -> Lock:
         params = {"lock_id": lock_id, "token": token, "scope": caller.scope}

@@ -47,6 +47,7 @@ from helix_locks.server.errors import (
     TooManyWatchers,
     Unauthenticated,
     UnsupportedMediaType,
+    WaitersAhead,
     WaitInterrupted,
 )
 from helix_locks.server.outcome import outcome
@@ -212,6 +213,18 @@ KINDS: Mapping[type[LockError], Kind] = {
             "holders_total": exc.holders_total,
             **_pair(exc.job_type),
         },
+    ),
+    WaitersAhead: Kind(
+        409,
+        "waiters-ahead",
+        "Waiters ahead",
+        "Acquires waiting in this organization and job type's queue come first (first come, first"
+        " served): an acquire that does not wait does not pass them. waiting counts them; try again"
+        " after Retry-After, or wait (wait_seconds) to take a place in the queue.",
+        WaitersAhead(None, None, None, 1, waiting=3, ahead=3),
+        lambda exc: f"{exc.waiting} acquires wait for this organization and job type, and come first.",
+        headers=lambda exc: {"Retry-After": str(exc.retry_after_seconds)},
+        fields=lambda exc: {"waiting": exc.waiting, **_pair(exc.job_type)},
     ),
     MaxHoldersMismatch: Kind(
         409,

@@ -140,6 +140,25 @@ PRUNE_SESSIONS = "SELECT helix_prune_sessions(%(older_than)s, %(batch)s) AS dele
 # lasts, and only then.
 WAIT_FOR_RELEASE = "SELECT helix_wait_for_release(%(organization_id)s, %(job_type)s, %(seconds)s) AS id"
 STOP_WAITING = "SELECT helix_stop_waiting(%(id)s) AS id"
+# A waiting acquire's place in its pair's queue (migration 0029), which also announces the pair's
+# ends; a place that leaves without a grant wakes the pair's other waiters.
+TAKE_PLACE = """
+SELECT helix_take_place(
+    %(organization_id)s, %(job_type)s, %(holder)s, %(max_holders)s, %(seconds)s, %(replica)s
+) AS id
+"""
+LEAVE_QUEUE = "SELECT helix_leave_queue(%(id)s, %(organization_id)s) AS id"
+# One page of a pair's queue: its live places in order, each with its position from 1.
+QUEUE = """
+SELECT q.id, q.holder, q.max_holders, q.waiting_since, q.until, q.position
+FROM (
+    SELECT p.*, row_number() OVER (ORDER BY p.id) AS position
+    FROM helix_live_places(%(organization_id)s, %(job_type)s) AS p
+) AS q
+WHERE q.id > %(after)s
+ORDER BY q.id
+LIMIT %(limit)s
+"""
 
 # After the listener reconnects (waiting.py): releases announced while it was away were lost.
 # Of the keys this process waits for, each with the lock its first waiter sleeps on (NULL: none)
@@ -191,7 +210,7 @@ ACQUIRE_ON_SHARE = (
     + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at
 FROM helix_acquire_job_lock_on_share(
     %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s,
-    %(max_holders)s, %(share)s
+    %(max_holders)s, %(share)s, %(place)s
 )
 """
 )
@@ -205,7 +224,7 @@ ACQUIRE_WITHIN_QUOTA = (
     + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at
 FROM helix_acquire_job_lock_within_quota(
     %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(quota)s,
-    %(max_holders)s
+    %(max_holders)s, %(place)s
 )
 """
 )

@@ -439,6 +439,32 @@ class FieldError(BaseModel):
     )
 
 
+class PlaceBody(BaseModel):
+    """One place in a pair's queue: a waiting acquire, in the order of the queue."""
+
+    holder: str = Field(description="The holder the waiting acquire names.", examples=["worker-9@host-1"])
+    mode: Literal["exclusive"] = Field(
+        default="exclusive", description="The lock the place waits for: exclusive (one holder per slot)."
+    )
+    max_holders: int = Field(description="The max_holders the waiting acquire names.", examples=[1])
+    waiting_since: datetime = Field(
+        description="When the place was taken (database clock): the queue's order.", examples=[_AT]
+    )
+    wait_until: datetime = Field(
+        description="When the place leaves the queue at the latest, its wait over.", examples=[_EXPIRES]
+    )
+    position: int = Field(description="Its place in the queue, from 1 (next to be granted).", examples=[1])
+
+
+class QueuePageBody(BaseModel):
+    """One page of a pair's queue, first place first."""
+
+    items: list[PlaceBody] = Field(description="The places of this page, in the queue's order.")
+    next_cursor: str | None = Field(
+        description="Pass as cursor for the next page; null when nothing follows.", examples=[None]
+    )
+
+
 class HolderBody(BaseModel):
     """One held lock of a key whose every slot is held, as a 409 lock-held lists it."""
 
@@ -561,6 +587,11 @@ class Problem(BaseModel):
     )
     max_locks: int | None = Field(
         default=None, description="409 session-full only: how many locks a session may hold.", examples=[1000]
+    )
+    waiting: int | None = Field(
+        default=None,
+        description="409 waiters-ahead only: how many acquires wait in the pair's queue, and come first.",
+        examples=[3],
     )
 
 

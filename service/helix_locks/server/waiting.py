@@ -1,11 +1,17 @@
 """Acquire requests that wait for a held lock: woken by NOTIFY on release, or by a timer at expiry.
 
-Releases are announced only for keys that someone waits for: the head of a key's queue
-registers the key in the database (migration 0008) before it waits.
+A waiting acquire first tries once, as one that does not wait would. Refused, it takes a place in
+the key's queue in the database (migration 0029), whose order is first come, first served across
+every replica: the database grants a free slot to a place only when no live place comes before
+it, and refuses an acquire without a place while any place is live (WaitersAhead). A place also
+has the key's ends announced (NOTIFY), and it is left when the wait ends without a grant, which
+wakes the key's other waiters.
 
-Nothing polls the database while waiting. Within one process the waiters of a key queue in
-arrival order: only the first of them waits for the lock; the others wait for it (an asyncio
-lock, which is fair). Across replicas the order is best effort: whoever retries first wins.
+Nothing polls the database while waiting. Within one process only the waiter with the first place
+of a key tries (the others could only be refused): it sleeps until the key's lock ends (NOTIFY) or
+its lease runs out, and when it goes, the next place of this process takes its turn. Refused
+because a place of another replica comes first, it tries again soon, backing off, until that
+place's grant holds the key and it can sleep on the new lease.
 
 A session's call that waits for a set of keys (sessions.py) is granted all of them at once or
 none: it holds none while it waits, and sleeps until a key that refused it ends (NOTIFY) or the
@@ -25,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import secrets
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -40,7 +47,7 @@ from helix_locks.server.errors import (
     TooManyWaiters,
     WaitInterrupted,
 )
-from helix_locks.server.locks import Grant
+from helix_locks.server.locks import Grant, Place
 
 logger = logging.getLogger("helix_locks")
 Key = tuple[str, str]
@@ -71,20 +78,23 @@ class _Queue:
     """The waiters of one key in this process."""
 
     def __init__(self) -> None:
-        self.turn = asyncio.Lock()  # FIFO: the head of the queue holds it
+        # The places this process holds in the key's queue, each with the event that tells its
+        # waiter its turn has come (the first place is the one that tries).
+        self.places: dict[int, asyncio.Event] = {}
         self.wake = asyncio.Event()
         self.waiters = 0
         # The refusal the head sleeps on (its lock_id: the lease it sleeps until; its holders_total:
         # how many held the key's slots then); None while it is not asleep.
         self.sleeping_on: LockHeld | None = None
-        # The max_holders the key was last found held with (None: not known).
-        self.held_with: int | None = None
 
 
 class Waiters:
     """Every waiting acquire of this process, by key."""
 
     def __init__(self, limit: int, per_organization: int) -> None:
+        # This process's name in the database: its places in the queues live while a connection
+        # of this name (the listener's) is open.
+        self.replica = f"helix-locks/{secrets.token_hex(8)}"
         self.limit = limit
         self.per_organization = per_organization
         self.count = 0
@@ -152,6 +162,8 @@ class Waiters:
         self.closing = True
         for queue in self._queues.values():
             queue.wake.set()
+            for turn in queue.places.values():
+                turn.set()
         for events in self._sets.values():
             for event in events:
                 event.set()
@@ -160,20 +172,19 @@ class Waiters:
         self,
         key: Key,
         wait_seconds: float,
-        attempt: Callable[[], Awaitable[Grant]],
+        attempt: Callable[[Place | None], Awaitable[Grant]],
         remaining_ms: Callable[[int], Awaitable[int | None]],
         release: Callable[[Grant], Awaitable[None]],
         gone: asyncio.Future[None],
-        announced: Callable[[], AbstractAsyncContextManager[None]],
-        max_holders: int = 1,
+        queued: Callable[[], AbstractAsyncContextManager[Place]],
     ) -> Grant:
-        """attempt() until it grants, for up to wait_seconds; LockHeld when the time is up.
+        """attempt(None) once; refused, attempt(place) from a place in the key's queue (inside
+        `queued()`) whenever its turn may have come, for up to wait_seconds; LockHeld (or
+        WaitersAhead) when the time is up.
 
         `gone` is done when the client went away: then a grant that came anyway is released at
-        once, through `release`, and WaitInterrupted is raised. Inside `announced()` the end of
-        the key's lock is announced, which releases are not otherwise. An acquire naming another
-        max_holders than the key was found held with attempts at once, rather than queueing
-        behind the waiters of that value: MaxHoldersMismatch is never waited for.
+        once, through `release`, and WaitInterrupted is raised. MaxHoldersMismatch is never
+        waited for.
         """
         organization = key[0]
         if self._by_organization[organization] >= self.per_organization:
@@ -187,20 +198,21 @@ class Waiters:
         self._by_organization[organization] += 1
         queue.waiters += 1
         try:
-            if queue.held_with not in (None, max_holders):
-                with contextlib.suppress(LockHeld):  # held with this value after all: queue
-                    return await self._granted(await attempt(), release, gone)
-            # If this request is cancelled just as its turn comes, the turn is handed on.
-            await self._until(queue.turn.acquire(), deadline, gone, on_abandon=queue.turn.release)
             try:
-                async with contextlib.AsyncExitStack() as announcing:
+                return await self._granted(await attempt(None), release, gone)
+            except LockHeld:
+                if self.closing or gone.done() or loop.time() >= deadline:
+                    raise
+            async with queued() as place:
+                turn = queue.places[place.id] = asyncio.Event()
+                try:
                     return await self._wait_in_turn(
-                        queue, deadline, attempt, remaining_ms, release, gone, announcing, announced
+                        queue, place, turn, deadline, attempt, remaining_ms, release, gone
                     )
-            finally:
-                queue.turn.release()
-        except TimeoutError:
-            return await self._last_try(attempt, release, gone)
+                finally:
+                    del queue.places[place.id]
+                    if queue.places:
+                        queue.places[min(queue.places)].set()  # the next of this process tries
         finally:
             self.count -= 1
             self._by_organization[organization] -= 1
@@ -279,39 +291,38 @@ class Waiters:
     async def _wait_in_turn(
         self,
         queue: _Queue,
+        place: Place,
+        turn: asyncio.Event,
         deadline: float,
-        attempt: Callable[[], Awaitable[Grant]],
+        attempt: Callable[[Place | None], Awaitable[Grant]],
         remaining_ms: Callable[[int], Awaitable[int | None]],
         release: Callable[[Grant], Awaitable[None]],
         gone: asyncio.Future[None],
-        announcing: contextlib.AsyncExitStack,
-        announced: Callable[[], AbstractAsyncContextManager[None]],
     ) -> Grant:
         loop = asyncio.get_running_loop()
-        registered = False
         again, run_out = 0, None  # refusals in a row by a lease already run out, and its lock
         while True:
             if gone.done():
                 raise WaitInterrupted("the client went away")
+            if self.closing:
+                raise WaitInterrupted("the service is stopping")
+            if min(queue.places) != place.id and loop.time() < deadline:
+                # A place of this process comes first: it tries, and hands the turn on when it goes.
+                turn.clear()
+                with contextlib.suppress(TimeoutError):
+                    await self._until(turn.wait(), deadline, gone)
+                continue
             queue.wake.clear()  # before the attempt: a release during it must not be missed
             try:
-                return await self._granted(await attempt(), release, gone)
+                return await self._granted(await attempt(place), release, gone)
             except LockHeld as held:
-                queue.held_with = held.max_holders
                 if self.closing:
                     raise WaitInterrupted("the service is stopping") from held
                 left = deadline - loop.time()
                 if left <= 0:
-                    raise
-                if not registered:
-                    # Releases of this key are announced from now on; one may have come since
-                    # the attempt, so attempt again before waiting. If the registration fails,
-                    # wait for the holder's expiry this round, and try again on the next.
-                    with contextlib.suppress(DatabaseUnavailable):
-                        await announcing.enter_async_context(announced())
-                        registered = True
-                        continue
-                # Until the holder's lease runs out; None: it just ended, so try again now.
+                    raise  # the wait is over: this refusal is the answer
+                # Until the holder's lease runs out; None: it just ended, so try again now. A place
+                # of another replica first (no lock_id): its grant is on the way, so soon.
                 expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
                 again = again + 1 if expiry == 0 and held.lock_id == run_out else 0
                 run_out = held.lock_id if expiry == 0 else None
@@ -325,15 +336,6 @@ class Waiters:
                 finally:
                     queue.sleeping_on = None
 
-    async def _last_try(
-        self,
-        attempt: Callable[[], Awaitable[Grant]],
-        release: Callable[[Grant], Awaitable[None]],
-        gone: asyncio.Future[None],
-    ) -> Grant:
-        """The wait ran out before this request's turn came: one attempt, for a current 409."""
-        return await self._granted(await attempt(), release, gone)
-
     @staticmethod
     async def _granted(grant: T, release: Callable[[T], Awaitable[None]], gone: asyncio.Future[None]) -> T:
         if gone.done():
@@ -346,7 +348,6 @@ class Waiters:
         waiting: Awaitable[Any],
         deadline: float,
         gone: asyncio.Future[None],
-        on_abandon: Callable[[], None] | None = None,
     ) -> None:
         """Await `waiting` until the deadline (TimeoutError) or until the client is gone."""
         task = asyncio.ensure_future(waiting)
@@ -356,8 +357,6 @@ class Waiters:
             done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             task.cancel()  # the request itself is being cancelled: nothing may wait on in its name
-            if on_abandon is not None:
-                task.add_done_callback(lambda t: t.cancelled() or t.exception() or on_abandon())
             raise
         if task in done:
             return
