@@ -165,11 +165,24 @@ def client_command(args: argparse.Namespace) -> int:
                     print(f"helix-locks: no lock is held for {args.org}/{args.job_type}", file=sys.stderr)
                     return 1
                 _print_json(held)
+            elif args.queue:
+                if args.org is None or args.job_type is None or args.state is not None:
+                    print(
+                        "helix-locks: list --queue needs --org and --job-type, and no --state",
+                        file=sys.stderr,
+                    )
+                    return 2
+                _print_json(client.queue(args.org, args.job_type))
             else:
                 params = {"organization_id": args.org, "job_type": args.job_type, "state": args.state}
                 _print_json(client.list(**{k: v for k, v in params.items() if v is not None}))
         except LockHeld as held:
-            print(f"helix-locks: held by {held.holder} until {held.expires_at}", file=sys.stderr)
+            if held.waiting is not None:
+                print(
+                    f"helix-locks: {held.waiting} acquires wait in the queue, and come first", file=sys.stderr
+                )
+            else:
+                print(f"helix-locks: held by {held.holder} until {held.expires_at}", file=sys.stderr)
             return runner.EXIT_HELD
         except LockLost as exc:
             print(f"helix-locks: the lock is not yours (any more): {exc}", file=sys.stderr)
@@ -397,6 +410,11 @@ def parser() -> argparse.ArgumentParser:
     list_cmd.add_argument("--org", default=None)
     list_cmd.add_argument("--job-type", default=None)
     list_cmd.add_argument("--state", default=None, choices=["held", "expired", "released", "reclaimed"])
+    list_cmd.add_argument(
+        "--queue",
+        action="store_true",
+        help="the acquires waiting for --org and --job-type, in the order they will be granted",
+    )
     client_options(list_cmd)
     list_cmd.set_defaults(handler=client_command)
     watch_cmd = commands.add_parser(

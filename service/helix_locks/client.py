@@ -39,7 +39,16 @@ from typing import Any, TypeVar, cast
 
 import httpx
 
-from helix_locks.results import Acquired, Lock, LockEvent, LockState, OpenedSession, Page, Renewed
+from helix_locks.results import (
+    Acquired,
+    Lock,
+    LockEvent,
+    LockState,
+    OpenedSession,
+    Page,
+    QueuePage,
+    Renewed,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 # The retry policy is clients/contract.json's, which the Node client follows too (docs/workers.md).
@@ -157,6 +166,8 @@ class LockHeld(HelixError):
         self.retry_after = retry_after
         # Of a session's locks, all refused: the job type of the first (in job type order) held.
         self.job_type: str | None = problem.get("job_type")
+        # 409 waiters-ahead: acquires wait in the key's queue and come first; how many (else None).
+        self.waiting: int | None = problem.get("waiting")
 
 
 class MaxHoldersMismatch(ApiError):
@@ -463,6 +474,12 @@ def _listing(
         "limit": limit,
         "cursor": cursor,
     }
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def _queue(organization_id: str, job_type: str, limit: int | None, cursor: str | None) -> dict[str, Any]:
+    """GET /v1/locks/queue's query: the parameters given."""
+    given = {"organization_id": organization_id, "job_type": job_type, "limit": limit, "cursor": cursor}
     return {name: value for name, value in given.items() if value is not None}
 
 
@@ -1176,6 +1193,16 @@ class LockClient(_Core):
         with `slot`, the one in that slot of a semaphore."""
         return self._run(self._current(organization_id, job_type, slot))
 
+    def queue(
+        self, organization_id: str, job_type: str, limit: int | None = None, cursor: str | None = None
+    ) -> QueuePage:
+        """One page of the key's queue: the acquires waiting for it, in the order they will be
+        granted. Pass the page's next_cursor as `cursor` for the next."""
+        found: QueuePage = self._run(
+            self._get("/v1/locks/queue", _queue(organization_id, job_type, limit, cursor))
+        )
+        return found
+
     def watch(
         self,
         organization_id: str | None = None,
@@ -1393,6 +1420,15 @@ class AsyncLockClient(_Core):
     async def current(self, organization_id: str, job_type: str, slot: int | None = None) -> Lock | None:
         """As LockClient.current."""
         return await self._run(self._current(organization_id, job_type, slot))
+
+    async def queue(
+        self, organization_id: str, job_type: str, limit: int | None = None, cursor: str | None = None
+    ) -> QueuePage:
+        """As LockClient.queue."""
+        found: QueuePage = await self._run(
+            self._get("/v1/locks/queue", _queue(organization_id, job_type, limit, cursor))
+        )
+        return found
 
     async def watch(
         self,

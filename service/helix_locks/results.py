@@ -89,6 +89,26 @@ class Page(TypedDict):
     next_cursor: str | None
 
 
+class Place(TypedDict):
+    """One place in a key's queue (GET /v1/locks/queue): a waiting acquire."""
+
+    holder: str
+    mode: Literal["exclusive"]
+    max_holders: int
+    # When the place was taken (the queue's order) and when it leaves at the latest: RFC 3339.
+    waiting_since: str
+    wait_until: str
+    # From 1: the next to be granted.
+    position: int
+
+
+class QueuePage(TypedDict):
+    """One page of a key's queue, first place first, and the cursor of the next (None at the end)."""
+
+    items: list[Place]
+    next_cursor: str | None
+
+
 class LockEvent(TypedDict):
     """One event of GET /v1/events: its data, with the stream's `id` added (what a watch resumes
     from)."""

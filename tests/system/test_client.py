@@ -10,14 +10,18 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
+import httpx
 import psycopg
+import pytest
 
 from harness.processes import ROOT, running_service
 from harness.proxies import plain_http_server
-from helix_locks.client import LockClient
+from helix_locks import runner
+from helix_locks.client import LockClient, LockHeld
 
 
 def test_importing_the_sdk_and_its_command_line_needs_httpx_only() -> None:
@@ -404,6 +408,45 @@ def test_the_client_verbs_print_json_release_and_current_included(db_url: str, t
         assert (lock["id"], lock["state"], lock["release_reason"]) == (grant["id"], "released", "released")
         none = helix(url, "current", "--org", "acme", "--job-type", "verbs")
         assert none.returncode == 1 and none.stdout == "" and "no lock is held" in none.stderr
+
+
+def test_list_queue_and_the_sdk_read_the_queue_and_acquire_says_who_waits_first(
+    db_url: str, tmp_path: Path
+) -> None:
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        client = LockClient(url)
+        held = client.acquire("acme", "queued", 60, "holder")
+        with ThreadPoolExecutor(1) as pool:
+            waiter = pool.submit(
+                httpx.post,
+                f"{url}/v1/locks",
+                json={
+                    "organization_id": "acme",
+                    "job_type": "queued",
+                    "holder": "waiter",
+                    "ttl_seconds": 30,
+                    "wait_seconds": 30,
+                },
+                timeout=60,
+            )
+            deadline = time.monotonic() + 20
+            while not (page := client.queue("acme", "queued"))["items"]:
+                assert time.monotonic() < deadline, "the waiter never took its place"
+                time.sleep(0.02)
+            assert [(p["holder"], p["position"]) for p in page["items"]] == [("waiter", 1)]
+            listed = helix(url, "list", "--queue", "--org", "acme", "--job-type", "queued")
+            assert listed.returncode == 0, listed.stderr
+            assert json.loads(listed.stdout) == {"items": page["items"], "next_cursor": None}
+            jumper = helix(url, "acquire", "--org", "acme", "--job-type", "queued")
+            assert jumper.returncode == runner.EXIT_HELD and "1 acquires wait in the queue" in jumper.stderr
+            with pytest.raises(LockHeld) as refused:
+                client.acquire("acme", "queued", 30, "sdk-jumper")
+            assert refused.value.waiting == 1 and refused.value.retry_after == 1
+            client.release(held.id, held.token)
+            assert waiter.result().status_code == 201
+        assert client.queue("acme", "queued") == {"items": [], "next_cursor": None}
+        vague = helix(url, "list", "--queue", "--org", "acme")
+        assert vague.returncode == 2 and "needs --org and --job-type" in vague.stderr
 
 
 def test_renew_and_release_read_the_token_from_a_file_or_standard_input(db_url: str, tmp_path: Path) -> None:

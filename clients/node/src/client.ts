@@ -29,6 +29,7 @@ import type {
   Metadata,
   Page,
   Problem,
+  QueuePage,
   Reclaimed,
   Renewed,
   WatchOptions,
@@ -947,6 +948,22 @@ export class LockClient {
       if (error instanceof ApiError && error.status === 404 && error.kind === "lock-not-found") return null;
       throw error;
     }
+  }
+
+  /** One page of the key's queue: the acquires waiting for it, in the order they will be granted;
+   * pass the page's `next_cursor` as `cursor` for the next. */
+  async queue(
+    options: LockKey & { limit?: number; cursor?: string; signal?: AbortSignal },
+  ): Promise<QueuePage> {
+    return (await this._get("/v1/locks/queue", {
+      query: {
+        organization_id: options.organizationId,
+        job_type: options.jobType,
+        limit: options.limit,
+        cursor: options.cursor,
+      },
+      signal: options.signal,
+    })) as QueuePage;
   }
 
   /**

@@ -62,6 +62,8 @@ export class LockHeldError extends ApiError {
   readonly holdersTotal: number;
   /** Of a session's locks, all refused: the job type of the first (in job type order) held. */
   readonly jobType: string | null;
+  /** 409 `waiters-ahead`: acquires wait in the key's queue and come first; how many (else null). */
+  readonly waiting: number | null;
   declare readonly retryAfter: number;
 
   constructor(problem: Problem, retryAfter: number, requestId: string | null = null) {
@@ -82,6 +84,8 @@ export class LockHeldError extends ApiError {
     // A service older than 0021 lists every holder, and does not count them.
     this.holdersTotal = typeof problem.holders_total === "number" ? problem.holders_total : this.holders.length;
     this.jobType = typeof problem.job_type === "string" ? problem.job_type : null;
+    this.waiting = typeof problem.waiting === "number" ? problem.waiting : null;
+    if (this.waiting !== null) this.message = `${this.waiting} acquires wait in the queue, and come first`;
   }
 }
 

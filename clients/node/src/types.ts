@@ -115,6 +115,25 @@ export interface Page {
   next_cursor: string | null;
 }
 
+/** One place in a key's queue (GET /v1/locks/queue): a waiting acquire. */
+export interface Place {
+  holder: string;
+  mode: "exclusive";
+  max_holders: number;
+  /** When the place was taken (the queue's order), and when it leaves at the latest. */
+  waiting_since: string;
+  wait_until: string;
+  /** From 1: the next to be granted. */
+  position: number;
+}
+
+/** One page of a key's queue, first place first. */
+export interface QueuePage {
+  items: Place[];
+  /** The cursor of the next page; null when nothing follows. */
+  next_cursor: string | null;
+}
+
 /** The lock's key: one live lock per key at a time, or up to `maxHolders`. */
 export interface LockKey {
   organizationId: string;

@@ -112,6 +112,30 @@ test("acquire, renew, update, get, current, list and release", async () => {
   assert.deepEqual(pages.flatMap((page) => page.items.map((lock) => lock.id)), items);
 });
 
+test("queue lists the waiters in order, and an acquire that does not wait is told they come first", async () => {
+  const locks = client();
+  const job = jobType("queued");
+  const held = await locks.acquire({ organizationId: ORG, jobType: job, ttl: 60, holder: "holder" });
+  const waiting = locks.acquire({ organizationId: ORG, jobType: job, ttl: 30, holder: "node-waiter", wait: 30 });
+  for (let tries = 0; (await locks.queue({ organizationId: ORG, jobType: job })).items.length === 0; tries++) {
+    assert.ok(tries < 1000, "the waiter never took its place");
+    await sleep(20);
+  }
+  const page = await locks.queue({ organizationId: ORG, jobType: job, limit: 10 });
+  assert.deepEqual(page.items.map((place) => [place.holder, place.position, place.mode]), [["node-waiter", 1, "exclusive"]]);
+  assert.equal(page.next_cursor, null);
+  const jumper = await rejection(locks.acquire({ organizationId: ORG, jobType: job, ttl: 30 }));
+  assert.ok(jumper instanceof LockHeldError && jumper.kind === "waiters-ahead", String(jumper));
+  assert.equal(jumper.waiting, 1);
+  assert.equal(jumper.retryAfter, 1);
+  await locks.release(held);
+  const granted = await waiting;
+  assert.equal(granted.holder, "node-waiter");
+  assert.equal(granted.fencingToken, held.fencingToken + 1);
+  await locks.release(granted);
+  assert.deepEqual(await locks.queue({ organizationId: ORG, jobType: job }), { items: [], next_cursor: null });
+});
+
 test("a semaphore of two: two withLock at once get slots 0 and 1, a third is told both holders", async () => {
   const locks = client();
   const job = jobType("semaphore");
