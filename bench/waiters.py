@@ -74,6 +74,11 @@ class Outcome:
     handoff_seconds: float = 0.0
     timed_out: int = 0
     dropped: int = 0
+    # WAL bytes the cluster wrote while the waiters came and took their places (the first acquire
+    # excluded), while they waited, and over the handoffs.
+    wal_arriving: int = 0
+    wal_waiting: int = 0
+    wal_handoffs: int = 0
     failures: int = 0
     errors: list[str] = field(default_factory=list)
 
@@ -158,14 +163,19 @@ async def measure(base_url: str, pid: int, meter_url: str, db: str, args: argpar
     if status != 201:
         raise BenchError(f"the first acquire got {status}: {held[:300]!r}")
     cap = time.perf_counter() + RUN_CAP_SECONDS
-    waiting = [RawConnection(host, int(port), timeout=WAIT_SECONDS + 15) for _ in range(args.waiters)]
-    tasks = [asyncio.create_task(waiter(conn, out)) for conn in waiting]
+    meter = await psycopg.AsyncConnection.connect(meter_url, autocommit=True)
+    tasks: list[asyncio.Task[None]] = []
     try:
-        async with await psycopg.AsyncConnection.connect(meter_url, autocommit=True) as meter:
-            await asyncio.sleep(args.settle)
-            out.before = await counts(meter, db)
-            await asyncio.sleep(args.measure)
-            out.after = await counts(meter, db)
+        arriving = await wal_lsn(meter)
+        waiting = [RawConnection(host, int(port), timeout=WAIT_SECONDS + 15) for _ in range(args.waiters)]
+        tasks = [asyncio.create_task(waiter(conn, out)) for conn in waiting]
+        await asyncio.sleep(args.settle)
+        out.before = await counts(meter, db)
+        settled = await wal_lsn(meter)
+        await asyncio.sleep(args.measure)
+        out.after = await counts(meter, db)
+        measured = await wal_lsn(meter)
+        out.wal_arriving, out.wal_waiting = settled - arriving, measured - settled
         out.rss_waiting_mb = rss_mb(pid)
         begun = time.perf_counter()
         await holder.close()  # idle past uvicorn's keep-alive timeout: release on a new connection
@@ -173,12 +183,21 @@ async def measure(base_url: str, pid: int, meter_url: str, db: str, args: argpar
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, cap - time.perf_counter()))
         out.handoff_seconds = out.last_grant - begun if out.latencies else 0.0
         out.dropped = len(pending)
+        out.wal_handoffs = await wal_lsn(meter) - measured
     finally:
+        await meter.close()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await holder.close()
     return out
+
+
+async def wal_lsn(meter: psycopg.AsyncConnection[Any]) -> int:
+    """The cluster's WAL insert position, in bytes."""
+    row = await (await meter.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")).fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def per_query(before: Counts, after: Counts) -> dict[str, int] | None:
@@ -207,6 +226,12 @@ def report(args: argparse.Namespace, setup: list[str], out: Outcome) -> str:
     p50, p99 = (percentile(sorted(out.latencies), pct) * 1000 for pct in (50, 99))
     rows.append(("wake latency p50 / p99, ms (DELETE sent -> 201)", f"{p50:.1f} / {p99:.1f}", "p99 <= 50"))
     rows.append((f"service RSS, {waiting}, MB", f"{out.rss_waiting_mb:.1f}", "<= 100"))
+    rows.append(
+        ("WAL bytes per waiter, arriving (first try, place)", f"{out.wal_arriving / args.waiters:,.0f}", "")
+    )
+    rows.append((f"WAL bytes/s, {waiting}", f"{out.wal_waiting / args.measure:,.0f}", "~ 0"))
+    served = max(1, len(out.latencies))
+    rows.append(("WAL bytes per handoff (release, grant)", f"{out.wal_handoffs / served:,.0f}", ""))
     seen = "; ".join(f"{n} x {text}" for text, n in sorted((calls or {}).items(), key=lambda c: -c[1]))
     return "\n".join(
         [

@@ -237,6 +237,8 @@ CREATE TABLE helix_lock_waiters (
     holder text,
     max_holders integer,
     waiting_since timestamp with time zone,
+    owner text,
+    idempotency_key text,
     CONSTRAINT helix_lock_waiters_pkey PRIMARY KEY (id)
 );
 COMMENT ON TABLE helix_lock_waiters IS 'The queue of each pair (0029): a place per waiting acquire, in id order; an end or a shortened lease notifies helix_lock_released only while a row for the pair is here (0008). A row without a replica is an earlier build''s registration, which holds no place.';
@@ -248,6 +250,8 @@ COMMENT ON COLUMN helix_lock_waiters.replica IS 'The application_name of the rep
 COMMENT ON COLUMN helix_lock_waiters.holder IS 'The holder the waiting acquire names.';
 COMMENT ON COLUMN helix_lock_waiters.max_holders IS 'The max_holders the waiting acquire names.';
 COMMENT ON COLUMN helix_lock_waiters.waiting_since IS 'When the place was taken, by the database clock.';
+COMMENT ON COLUMN helix_lock_waiters.owner IS 'The waiting request that holds the place (random, per request): only it leaves the place. NULL: kept for a retry after its request ended.';
+COMMENT ON COLUMN helix_lock_waiters.idempotency_key IS 'The waiting acquire''s Idempotency-Key (scoped to its API key): a retry with it takes the place over.';
 CREATE INDEX helix_lock_waiters_queue ON public.helix_lock_waiters USING btree (organization_id, job_type, id);
 CREATE INDEX helix_lock_waiters_until ON public.helix_lock_waiters USING btree (until);
 
@@ -518,8 +522,8 @@ DECLARE
     v_session_expired xid8;
     v_i integer;
     v_full boolean;  -- live locks leave this acquire no slot
-    v_ahead integer := 0;  -- live places in the pair's queue before p_place (all, without one)
-    v_waiting integer := 0;  -- live places in the pair's queue
+    v_ahead integer := 0;  -- live places before p_place (any, without one), counted up to the room
+    v_waiting integer;  -- live places in the pair's queue, counted for a refusal
 BEGIN
     IF p_max_holders IS NULL OR p_max_holders < 1 OR p_max_holders > 1000 THEN
         RAISE EXCEPTION 'max_holders must be between 1 and 1000, got %', p_max_holders
@@ -605,18 +609,22 @@ BEGIN
             END IF;
         END LOOP;
 
+        v_full := v_held > 0 AND (v_held >= p_max_holders OR v_in_force <> p_max_holders);
         -- The pair's queue (0029), read under the pair's row lock, so that grants and the places
-        -- they consume are judged one after the other. An index probe when nobody waits.
+        -- they consume are judged one after the other: the live places before the caller's, as
+        -- many as there are free slots at most (one when none is free). An index probe when nobody
+        -- waits, and none read at all for the first place.
         IF v_id IS NULL AND EXISTS (
             SELECT FROM helix_lock_waiters AS w
             WHERE w.organization_id = p_organization_id AND w.job_type = p_job_type
               AND w.replica IS NOT NULL
         ) THEN
-            SELECT count(*) FILTER (WHERE p_place IS NULL OR q.id < p_place), count(*)
-            INTO v_ahead, v_waiting
-            FROM helix_live_places(p_organization_id, p_job_type) AS q;
+            SELECT count(*) INTO v_ahead
+            FROM helix_live_places(
+                p_organization_id, p_job_type, p_place,
+                CASE WHEN v_full THEN 1 ELSE p_max_holders - v_held END
+            ) AS q;
         END IF;
-        v_full := v_held > 0 AND (v_held >= p_max_holders OR v_in_force <> p_max_holders);
 
         IF v_id IS NOT NULL THEN
             UPDATE helix_lock_keys AS k
@@ -630,6 +638,7 @@ BEGIN
         ELSIF v_ahead > 0 AND (v_full OR v_ahead >= p_max_holders - v_held) THEN
             -- Places before this acquire's (any, for an acquire that does not wait) take the
             -- slots there are: it does not jump the queue.
+            SELECT count(*) INTO v_waiting FROM helix_live_places(p_organization_id, p_job_type) AS q;
             RAISE EXCEPTION 'places are waiting for % / %', p_organization_id, p_job_type
                 USING ERRCODE = 'unique_violation',
                       CONSTRAINT = 'helix_lock_waiters_pkey',
@@ -1402,7 +1411,7 @@ BEGIN
 END $function$;
 COMMENT ON FUNCTION helix_lease(bigint) IS 'A ttl in milliseconds as an interval; 22023 (naming ttl_seconds) outside 1 s to 1 day.';
 
-CREATE OR REPLACE FUNCTION public.helix_leave_queue(p_id bigint, p_organization_id text)
+CREATE OR REPLACE FUNCTION public.helix_leave_queue(p_id bigint, p_organization_id text, p_owner text, p_keep_seconds double precision DEFAULT 0)
  RETURNS bigint
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -1411,8 +1420,19 @@ AS $function$
 DECLARE
     v_place helix_lock_waiters%ROWTYPE;
 BEGIN
+    IF p_keep_seconds > 0 THEN
+        -- Kept for a retry with its Idempotency-Key, which takes it over, for that long at most.
+        UPDATE helix_lock_waiters AS w
+        SET owner = NULL, until = least(w.until, clock_timestamp() + make_interval(secs => p_keep_seconds))
+        WHERE w.id = p_id AND w.organization_id = p_organization_id AND w.owner = p_owner
+          AND w.idempotency_key IS NOT NULL
+        RETURNING w.id INTO v_place.id;
+        IF FOUND THEN
+            RETURN v_place.id;
+        END IF;
+    END IF;
     DELETE FROM helix_lock_waiters AS w
-    WHERE w.id = p_id AND w.organization_id = p_organization_id
+    WHERE w.id = p_id AND w.organization_id = p_organization_id AND w.owner = p_owner
     RETURNING * INTO v_place;
     IF FOUND AND EXISTS (
         SELECT FROM helix_lock_waiters AS w
@@ -1423,10 +1443,10 @@ BEGIN
     END IF;
     RETURN v_place.id;
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_leave_queue(bigint,text) FROM PUBLIC;
-COMMENT ON FUNCTION helix_leave_queue(bigint,text) IS 'A place that leaves the queue without a grant (its client left, its wait ran out): deleted, and the pair announced on helix_lock_released while others wait there. Returns its id, NULL when it was gone.';
+REVOKE EXECUTE ON FUNCTION helix_leave_queue(bigint,text,text,double precision) FROM PUBLIC;
+COMMENT ON FUNCTION helix_leave_queue(bigint,text,text,double precision) IS 'A place that leaves the queue without a grant (its client left, its wait ran out), if request p_owner still holds it: deleted, and the pair announced on helix_lock_released while others wait there; or, with p_keep_seconds and an Idempotency-Key, kept that long for a retry to take over. Returns its id, NULL when it was gone or another request''s.';
 
-CREATE OR REPLACE FUNCTION public.helix_live_places(p_organization_id text, p_job_type text)
+CREATE OR REPLACE FUNCTION public.helix_live_places(p_organization_id text, p_job_type text, p_before bigint DEFAULT NULL::bigint, p_limit integer DEFAULT NULL::integer)
  RETURNS SETOF helix_lock_waiters
  LANGUAGE sql
  SECURITY DEFINER
@@ -1434,12 +1454,15 @@ CREATE OR REPLACE FUNCTION public.helix_live_places(p_organization_id text, p_jo
 AS $function$
     SELECT w.* FROM helix_lock_waiters AS w
     WHERE w.organization_id = p_organization_id AND w.job_type = p_job_type
+      AND (p_before IS NULL OR w.id < p_before)
       AND w.replica IS NOT NULL
       AND w.until > clock_timestamp()
       AND w.replica IN (SELECT a.application_name FROM pg_stat_get_activity(NULL) AS a)
+    ORDER BY w.id
+    LIMIT p_limit
 $function$;
-REVOKE EXECUTE ON FUNCTION helix_live_places(text,text) FROM PUBLIC;
-COMMENT ON FUNCTION helix_live_places(text,text) IS 'The live places of a pair''s queue: a wait that has not run out, held by a replica that has a connection open under its name (every role sees every backend''s application_name).';
+REVOKE EXECUTE ON FUNCTION helix_live_places(text,text,bigint,integer) FROM PUBLIC;
+COMMENT ON FUNCTION helix_live_places(text,text,bigint,integer) IS 'The live places of a pair''s queue in order, before p_before if given, at most p_limit of them (NULL: all): a wait that has not run out, held by a replica that has a connection open under its name (every role sees every backend''s application_name). An index range scan within the pair, read in order up to the limit.';
 
 CREATE OR REPLACE FUNCTION public.helix_lock_for_holder(p_lock_id bigint, p_token text, p_organization_id text, p_renewal boolean)
  RETURNS helix_holds
@@ -2110,7 +2133,7 @@ $function$;
 REVOKE EXECUTE ON FUNCTION helix_stop_waiting(bigint) FROM PUBLIC;
 COMMENT ON FUNCTION helix_stop_waiting(bigint) IS 'Ends a wait''s registration (helix_lock_waiters); returns its id, NULL when it was gone.';
 
-CREATE OR REPLACE FUNCTION public.helix_take_place(p_organization_id text, p_job_type text, p_holder text, p_max_holders integer, p_seconds double precision, p_replica text)
+CREATE OR REPLACE FUNCTION public.helix_take_place(p_organization_id text, p_job_type text, p_holder text, p_max_holders integer, p_seconds double precision, p_replica text, p_owner text, p_idempotency_key text)
  RETURNS bigint
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -2125,16 +2148,37 @@ BEGIN
         WHERE w.until < clock_timestamp()
         FOR UPDATE SKIP LOCKED  -- places never wait for each other
     );
-    INSERT INTO helix_lock_waiters (organization_id, job_type, until, replica, holder, max_holders, waiting_since)
+    -- A retry with the same Idempotency-Key keeps the place of the try it repeats, while that
+    -- place lives: it becomes this request's.
+    IF p_idempotency_key IS NOT NULL THEN
+        UPDATE helix_lock_waiters AS w
+        SET owner = p_owner, replica = p_replica,
+            until = greatest(w.until, clock_timestamp() + make_interval(secs => p_seconds))
+        WHERE w.id = (
+            SELECT q.id FROM helix_lock_waiters AS q
+            WHERE q.organization_id = p_organization_id AND q.job_type = p_job_type
+              AND q.idempotency_key = p_idempotency_key AND q.holder = p_holder
+              AND q.until > clock_timestamp()
+            ORDER BY q.id
+            LIMIT 1
+        )
+        RETURNING w.id INTO v_id;
+        IF FOUND THEN
+            RETURN v_id;
+        END IF;
+    END IF;
+    INSERT INTO helix_lock_waiters (
+        organization_id, job_type, until, replica, holder, max_holders, waiting_since, owner, idempotency_key
+    )
     VALUES (
         p_organization_id, p_job_type, clock_timestamp() + make_interval(secs => p_seconds), p_replica,
-        p_holder, p_max_holders, clock_timestamp()
+        p_holder, p_max_holders, clock_timestamp(), p_owner, p_idempotency_key
     )
     RETURNING id INTO v_id;
     RETURN v_id;
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_take_place(text,text,text,integer,double precision,text) FROM PUBLIC;
-COMMENT ON FUNCTION helix_take_place(text,text,text,integer,double precision,text) IS 'A waiting acquire''s place at the end of the pair''s queue for p_seconds, held by replica p_replica; deletes the places that ran out on the way; returns its id. The place commits before the waiter''s next attempt, so no end after that attempt goes unannounced.';
+REVOKE EXECUTE ON FUNCTION helix_take_place(text,text,text,integer,double precision,text,text,text) FROM PUBLIC;
+COMMENT ON FUNCTION helix_take_place(text,text,text,integer,double precision,text,text,text) IS 'A waiting acquire''s place at the end of the pair''s queue for p_seconds, held by replica p_replica for request p_owner; or, for a retry with the same Idempotency-Key and holder, the live place of the try it repeats, handed to it. Deletes the places that ran out on the way; returns the place''s id. The place commits before the waiter''s next attempt, so no end after that attempt goes unannounced.';
 
 CREATE OR REPLACE FUNCTION public.helix_touch_api_keys(p_ids text[])
  RETURNS integer

@@ -128,7 +128,7 @@ async def test_a_wait_that_runs_out_leaves_the_queue_and_the_next_keeps_its_plac
 ) -> None:
     holder = await grant(client, "holder")
     short = asyncio.create_task(client.post("/v1/locks", json=lock_body(holder="short", wait_seconds=0.5)))
-    await asyncio.sleep(0.05)
+    await queued(client, 1)
     long = asyncio.create_task(client.post("/v1/locks", json=lock_body(holder="long", wait_seconds=30)))
     assert [p["holder"] for p in await queued(client, 2)] == ["short", "long"]
     assert_problem(await short, 409)
@@ -136,3 +136,32 @@ async def test_a_wait_that_runs_out_leaves_the_queue_and_the_next_keeps_its_plac
     await release(client, holder)
     answer = await asyncio.wait_for(long, 10)
     assert answer.status_code == 201 and answer.json()["holder"] == "long"
+
+
+async def test_a_retry_with_the_same_idempotency_key_keeps_its_place(client: httpx.AsyncClient) -> None:
+    """A worker whose wait goes in rounds (the SDKs' waits longer than 60 s do) asks again with the
+    same Idempotency-Key when a round runs out: it keeps its place ahead of those who came after."""
+    holder = await grant(client, "holder")
+    round_one = asyncio.create_task(
+        client.post(
+            "/v1/locks", json=lock_body(holder="patient", wait_seconds=1), headers={"Idempotency-Key": "k"}
+        )
+    )
+    await queued(client, 1)
+    later = asyncio.create_task(client.post("/v1/locks", json=lock_body(holder="later", wait_seconds=30)))
+    assert [p["holder"] for p in await queued(client, 2)] == ["patient", "later"]
+    assert_problem(await round_one, 409)
+    round_two = asyncio.create_task(
+        client.post(
+            "/v1/locks", json=lock_body(holder="patient", wait_seconds=30), headers={"Idempotency-Key": "k"}
+        )
+    )
+    await asyncio.sleep(0.2)
+    assert [p["holder"] for p in await queued(client, 2)] == ["patient", "later"], "its place, not a new one"
+    await release(client, holder)
+    first = await asyncio.wait_for(round_two, 10)
+    assert first.status_code == 201 and first.json()["holder"] == "patient"
+    assert not later.done()
+    await release(client, first.json())
+    second = await asyncio.wait_for(later, 10)
+    assert second.status_code == 201 and second.json()["fencing_token"] == first.json()["fencing_token"] + 1

@@ -32,13 +32,28 @@ def named(conn: Conn) -> None:
 
 
 def take_place(
-    conn: Conn, holder: str, replica: str = REPLICA, seconds: float = 30, max_holders: int = 1
+    conn: Conn,
+    holder: str,
+    replica: str = REPLICA,
+    seconds: float = 30,
+    max_holders: int = 1,
+    owner: str | None = None,
+    key: str | None = None,
 ) -> int:
     row = conn.execute(
-        "SELECT helix_take_place('acme', 'report', %s, %s, %s, %s)", (holder, max_holders, seconds, replica)
+        "SELECT helix_take_place('acme', 'report', %s, %s, %s, %s, %s, %s)",
+        (holder, max_holders, seconds, replica, owner or holder, key),
     ).fetchone()
     assert row is not None
     return int(row[0])
+
+
+def leave(conn: Conn, place: int, owner: str, organization_id: str = "acme", keep: float = 0) -> int | None:
+    row = conn.execute(
+        "SELECT helix_leave_queue(%s, %s, %s, %s)", (place, organization_id, owner, keep)
+    ).fetchone()
+    assert row is not None
+    return None if row[0] is None else int(row[0])
 
 
 def acquire(conn: Conn, holder: str, place: int | None = None, max_holders: int = 1) -> dict[str, Any]:
@@ -79,9 +94,10 @@ def test_free_slots_go_to_places_in_order_and_an_acquire_without_one_does_not_pa
     first = take_place(conn, "w1", replica=OTHER)
     second = take_place(conn, "w2")
     jumper = refusal(conn, "jumper")
+    # Held, and places wait: counted only as far as it takes to know one is there.
     assert jumper == {
         "waiting": 2,
-        "ahead": 2,
+        "ahead": 1,
         "retry_after_seconds": 1,
         "constraint": "helix_lock_waiters_pkey",
     }
@@ -146,10 +162,31 @@ def test_leaving_the_queue_wakes_the_pairs_waiters(conn: Conn, db_url: str) -> N
     second = take_place(conn, "w2")
     with psycopg.connect(db_url, autocommit=True) as listening:
         listening.execute("LISTEN helix_lock_released")
-        assert conn.execute("SELECT helix_leave_queue(%s, 'globex')", (first,)).fetchone() == (None,)
-        assert places(conn) == [first, second], "another organization's place is not found"
-        assert conn.execute("SELECT helix_leave_queue(%s, 'acme')", (first,)).fetchone() == (first,)
-        assert conn.execute("SELECT helix_leave_queue(%s, 'acme')", (first,)).fetchone() == (None,)
+        assert leave(conn, first, "w1", "globex") is None
+        assert leave(conn, first, "w2") is None
+        assert places(conn) == [first, second], "another organization's place, or request's, is not found"
+        assert leave(conn, first, "w1") == first
+        assert leave(conn, first, "w1") is None
         heard = [notify.payload for notify in listening.notifies(timeout=2, stop_after=1)]
         assert heard == ["acme/report"]
         assert acquire(conn, "w2", second)["holder"] == "w2", "the next place goes at once"
+
+
+def test_a_retry_with_the_same_idempotency_key_takes_over_the_place_of_the_try_it_repeats(conn: Conn) -> None:
+    acquire(conn, "holder")
+    first = take_place(conn, "w1", owner="try-1", key="key/k")
+    second = take_place(conn, "w2", owner="w2")
+    assert take_place(conn, "other-holder", owner="x", key="key/k") not in (first, second), "the holder too"
+    # The try is still open (its client's loss not yet seen): the retry takes its place over, and
+    # the try can no longer leave it.
+    assert take_place(conn, "w1", owner="try-2", key="key/k") == first
+    assert leave(conn, first, "try-1") is None
+    # The retry's wait runs out: the place is kept a moment for the next retry, then lapses.
+    assert leave(conn, first, "try-2", keep=0.3) == first
+    assert take_place(conn, "w1", owner="try-3", key="key/k") == first, "the next round keeps its place"
+    assert leave(conn, first, "try-3", keep=0.2) == first
+    time.sleep(0.3)
+    assert take_place(conn, "w1", owner="try-4", key="key/k") not in (first, second), "kept no longer"
+    # Without a key there is nothing to keep: leaving deletes.
+    assert leave(conn, second, "w2", keep=5) == second
+    assert second not in places(conn)

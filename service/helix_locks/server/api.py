@@ -291,7 +291,9 @@ async def acquire(
         if body.wait_seconds > 0:
             # Before queueing: another organization's waiting slots and line are not this key's to take.
             caller.may_act_in(body.organization_id)
-            grant = await _wait_for(request, body, attempt, locks, caller)
+            grant = await _wait_for(
+                request, body, attempt, locks, caller, scoped_key(caller, idempotency_key)
+            )
         else:
             grant = await attempt()
     except LockHeld as held:
@@ -311,8 +313,11 @@ async def _wait_for(
     attempt: Callable[[Place | None], Awaitable[Grant]],
     locks: Locks,
     caller: Caller,
+    idempotency_key: str | None,
 ) -> Grant:
-    """Acquire, waiting up to wait_seconds; a client that leaves is dropped, any grant it got released."""
+    """Acquire, waiting up to wait_seconds; a client that leaves is dropped, any grant it got
+    released. A retry with the same (scoped) idempotency key takes over the place of the try it
+    repeats."""
 
     async def release(grant: Grant) -> None:
         # Unless the client's retry (same Idempotency-Key, maybe through another replica) was
@@ -337,6 +342,7 @@ async def _wait_for(
                 body.max_holders,
                 body.wait_seconds + 1,
                 found.waiters.replica,
+                idempotency_key,
             ),
         )
 

@@ -7,10 +7,11 @@ import base64
 import binascii
 import contextlib
 import json
+import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -167,17 +168,24 @@ def storable_text(value: str) -> bool:
     return True
 
 
+# How long the place of a wait that ran out is kept for a retry with its Idempotency-Key.
+KEEP_SECONDS = 1.0
+
 # An acquire's statement parameters (queries.ACQUIRE_WITHIN_QUOTA's, without the quota): the
 # quota reads the organization, and asks with them whether the acquire would add a live lock.
 Acquiring = dict[str, Any]
 
 
-@dataclass
+@dataclass(eq=False)
 class Place:
-    """A waiting acquire's place in its pair's queue (migration 0029)."""
+    """A waiting acquire's place in its pair's queue (migration 0029), held by this request."""
 
     id: int
+    owner: str = field(default_factory=lambda: secrets.token_hex(8))  # this request, in the database
     granted: bool = False  # consumed by the acquire's grant: nothing left to leave
+    # Its wait is over but its client is still there: kept a moment for a retry with the same
+    # Idempotency-Key (the next round of a longer wait), which takes it over.
+    keep: bool = False
 
 
 @dataclass
@@ -472,11 +480,21 @@ class Locks:
 
     @asynccontextmanager
     async def queued(
-        self, organization_id: str, job_type: str, holder: str, max_holders: int, seconds: float, replica: str
+        self,
+        organization_id: str,
+        job_type: str,
+        holder: str,
+        max_holders: int,
+        seconds: float,
+        replica: str,
+        idempotency_key: str | None,
     ) -> AsyncIterator[Place]:
-        """While inside, a place in the pair's queue held by this replica, which also has the
-        pair's ends announced (NOTIFY); it expires by itself after `seconds`, should this process
-        die meanwhile. Left on the way out unless a grant consumed it."""
+        """While inside, a place in the pair's queue held by this replica (with an
+        idempotency key: the place of the try this one repeats, while it lives), which also has
+        the pair's ends announced (NOTIFY); it expires by itself after `seconds`, should this
+        process die meanwhile. Left on the way out unless a grant consumed it: at once, or, if
+        the waiter says `keep`, after KEEP_SECONDS unless a retry takes it over."""
+        owner = secrets.token_hex(8)
         params = {
             "organization_id": organization_id,
             "job_type": job_type,
@@ -484,16 +502,22 @@ class Locks:
             "max_holders": max_holders,
             "seconds": seconds,
             "replica": replica,
+            "owner": owner,
+            "idempotency_key": idempotency_key,
         }
-        place = Place((await self.db.fetch_first(queries.TAKE_PLACE, params))["id"])
+        place = Place((await self.db.fetch_first(queries.TAKE_PLACE, params))["id"], owner)
         try:
             yield place
         finally:
             if not place.granted:
+                leaving = {
+                    "id": place.id,
+                    "organization_id": organization_id,
+                    "owner": owner,
+                    "keep": KEEP_SECONDS if place.keep else 0,
+                }
                 with contextlib.suppress(LockError):  # the database is away: the place expires
-                    await self.db.fetch_all(
-                        queries.LEAVE_QUEUE, {"id": place.id, "organization_id": organization_id}
-                    )
+                    await self.db.fetch_all(queries.LEAVE_QUEUE, leaving)
 
     async def queue(
         self, caller: Caller, organization_id: str, job_type: str, limit: int, cursor: str | None

@@ -144,16 +144,17 @@ STOP_WAITING = "SELECT helix_stop_waiting(%(id)s) AS id"
 # ends; a place that leaves without a grant wakes the pair's other waiters.
 TAKE_PLACE = """
 SELECT helix_take_place(
-    %(organization_id)s, %(job_type)s, %(holder)s, %(max_holders)s, %(seconds)s, %(replica)s
+    %(organization_id)s, %(job_type)s, %(holder)s, %(max_holders)s, %(seconds)s, %(replica)s, %(owner)s,
+    %(idempotency_key)s
 ) AS id
 """
-LEAVE_QUEUE = "SELECT helix_leave_queue(%(id)s, %(organization_id)s) AS id"
+LEAVE_QUEUE = "SELECT helix_leave_queue(%(id)s, %(organization_id)s, %(owner)s, %(keep)s) AS id"
 # One page of a pair's queue: its live places in order, each with its position from 1.
 QUEUE = """
 SELECT q.id, q.holder, q.max_holders, q.waiting_since, q.until, q.position
 FROM (
     SELECT p.*, row_number() OVER (ORDER BY p.id) AS position
-    FROM helix_live_places(%(organization_id)s, %(job_type)s) AS p
+    FROM helix_live_places(%(organization_id)s, %(job_type)s, NULL, NULL) AS p
 ) AS q
 WHERE q.id > %(after)s
 ORDER BY q.id

@@ -79,13 +79,19 @@ class _Queue:
 
     def __init__(self) -> None:
         # The places this process holds in the key's queue, each with the event that tells its
-        # waiter its turn has come (the first place is the one that tries).
-        self.places: dict[int, asyncio.Event] = {}
+        # waiter its turn has come (the first place is the one that tries; a retry that took a
+        # place over may hold it beside the try it repeats).
+        self.places: dict[Place, asyncio.Event] = {}
         self.wake = asyncio.Event()
         self.waiters = 0
         # The refusal the head sleeps on (its lock_id: the lease it sleeps until; its holders_total:
         # how many held the key's slots then); None while it is not asleep.
         self.sleeping_on: LockHeld | None = None
+
+
+def _first(queue: _Queue) -> Place:
+    """The first of this process's places in the key's queue."""
+    return min(queue.places, key=lambda place: place.id)
 
 
 class Waiters:
@@ -204,15 +210,17 @@ class Waiters:
                 if self.closing or gone.done() or loop.time() >= deadline:
                     raise
             async with queued() as place:
-                turn = queue.places[place.id] = asyncio.Event()
+                turn = queue.places[place] = asyncio.Event()
                 try:
                     return await self._wait_in_turn(
                         queue, place, turn, deadline, attempt, remaining_ms, release, gone
                     )
                 finally:
-                    del queue.places[place.id]
+                    # A wait that ran out (its client still there) may be asked again at once.
+                    place.keep = not gone.done()
+                    del queue.places[place]
                     if queue.places:
-                        queue.places[min(queue.places)].set()  # the next of this process tries
+                        queue.places[_first(queue)].set()  # the next of this process tries
         finally:
             self.count -= 1
             self._by_organization[organization] -= 1
@@ -306,7 +314,7 @@ class Waiters:
                 raise WaitInterrupted("the client went away")
             if self.closing:
                 raise WaitInterrupted("the service is stopping")
-            if min(queue.places) != place.id and loop.time() < deadline:
+            if _first(queue).id < place.id and loop.time() < deadline:
                 # A place of this process comes first: it tries, and hands the turn on when it goes.
                 turn.clear()
                 with contextlib.suppress(TimeoutError):
