@@ -6,6 +6,9 @@
 CREATE SEQUENCE helix_lock_ids AS bigint;
 COMMENT ON SEQUENCE helix_lock_ids IS 'Lock ids, live and ended: continues the identity of the table helix_job_locks that migration 0023 replaced.';
 
+CREATE SEQUENCE helix_lock_waiters_seq AS bigint;
+COMMENT ON SEQUENCE helix_lock_waiters_seq IS 'The order of the places in the queues: one number per waiting request, shared by the places of a waiting session in each of its pairs.';
+
 CREATE SEQUENCE helix_session_ids AS bigint;
 COMMENT ON SEQUENCE helix_session_ids IS 'Session ids.';
 
@@ -239,10 +242,11 @@ CREATE TABLE helix_lock_waiters (
     waiting_since timestamp with time zone,
     owner text,
     idempotency_key text,
+    seq bigint DEFAULT nextval('helix_lock_waiters_seq'::regclass),
     CONSTRAINT helix_lock_waiters_pkey PRIMARY KEY (id)
 );
 COMMENT ON TABLE helix_lock_waiters IS 'The queue of each pair (0029): a place per waiting acquire, in id order; an end or a shortened lease notifies helix_lock_released only while a row for the pair is here (0008). A row without a replica is an earlier build''s registration, which holds no place.';
-COMMENT ON COLUMN helix_lock_waiters.id IS 'The place''s order in its pair''s queue (first come, first served); deleted by the waiter''s grant or by helix_leave_queue.';
+COMMENT ON COLUMN helix_lock_waiters.id IS 'The row: a place, or a registration of a build before 0029.';
 COMMENT ON COLUMN helix_lock_waiters.organization_id IS 'The organization of the pair waited for.';
 COMMENT ON COLUMN helix_lock_waiters.job_type IS 'The job type of the pair waited for.';
 COMMENT ON COLUMN helix_lock_waiters.until IS 'When the wait ends at the latest: a place whose waiter died counts no longer, and the next place taken deletes it.';
@@ -252,7 +256,8 @@ COMMENT ON COLUMN helix_lock_waiters.max_holders IS 'The max_holders the waiting
 COMMENT ON COLUMN helix_lock_waiters.waiting_since IS 'When the place was taken, by the database clock.';
 COMMENT ON COLUMN helix_lock_waiters.owner IS 'The waiting request that holds the place (random, per request): only it leaves the place. NULL: kept for a retry after its request ended.';
 COMMENT ON COLUMN helix_lock_waiters.idempotency_key IS 'The waiting acquire''s Idempotency-Key (scoped to its API key): a retry with it takes the place over.';
-CREATE INDEX helix_lock_waiters_queue ON public.helix_lock_waiters USING btree (organization_id, job_type, id);
+COMMENT ON COLUMN helix_lock_waiters.seq IS 'The place''s order in its pair''s queue (first come, first served), one number for a waiting request''s places in all its pairs (a session''s); deleted by the request''s grant or by helix_leave_queue. NULL: a registration of a build before 0029.';
+CREATE INDEX helix_lock_waiters_queue ON public.helix_lock_waiters USING btree (organization_id, job_type, seq);
 CREATE INDEX helix_lock_waiters_until ON public.helix_lock_waiters USING btree (until);
 
 CREATE TABLE helix_quota_shares (
@@ -524,6 +529,8 @@ DECLARE
     v_full boolean;  -- live locks leave this acquire no slot
     v_ahead integer := 0;  -- live places before p_place (any, without one), counted up to the room
     v_waiting integer;  -- live places in the pair's queue, counted for a refusal
+    v_other boolean := false;  -- a place counted in v_ahead names another max_holders
+    v_first helix_holds%ROWTYPE;  -- of a refusal by the queue of a held pair: the first lease to end
 BEGIN
     IF p_max_holders IS NULL OR p_max_holders < 1 OR p_max_holders > 1000 THEN
         RAISE EXCEPTION 'max_holders must be between 1 and 1000, got %', p_max_holders
@@ -619,7 +626,8 @@ BEGIN
             WHERE w.organization_id = p_organization_id AND w.job_type = p_job_type
               AND w.replica IS NOT NULL
         ) THEN
-            SELECT count(*) INTO v_ahead
+            SELECT count(*), coalesce(bool_or(q.max_holders <> p_max_holders), false)
+            INTO v_ahead, v_other
             FROM helix_live_places(
                 p_organization_id, p_job_type, p_place,
                 CASE WHEN v_full THEN 1 ELSE p_max_holders - v_held END
@@ -635,15 +643,28 @@ BEGIN
             -- A waiter in the queue is told of the holder, whose lease it sleeps on; another
             -- max_holders than the one in force is refused as such, never waited for.
             PERFORM helix_raise_held(v_live, v_now, p_max_holders);
-        ELSIF v_ahead > 0 AND (v_full OR v_ahead >= p_max_holders - v_held) THEN
+        ELSIF v_ahead > 0 AND (v_full OR v_other OR v_ahead >= p_max_holders - v_held) THEN
             -- Places before this acquire's (any, for an acquire that does not wait) take the
-            -- slots there are: it does not jump the queue.
+            -- slots there are, and a place before it that names another max_holders goes first
+            -- whatever the slots: it does not jump the queue. Of a held pair, the refusal names
+            -- the lease that ends first, as lock-held does, and counts down to it.
             SELECT count(*) INTO v_waiting FROM helix_live_places(p_organization_id, p_job_type) AS q;
+            IF v_full THEN
+                SELECT * INTO v_first FROM unnest(v_live) AS u
+                WHERE u.expires_at > v_now
+                ORDER BY u.expires_at, u.slot
+                LIMIT 1;
+            END IF;
             RAISE EXCEPTION 'places are waiting for % / %', p_organization_id, p_job_type
                 USING ERRCODE = 'unique_violation',
                       CONSTRAINT = 'helix_lock_waiters_pkey',
                       DETAIL = json_build_object(
-                          'waiting', v_waiting, 'ahead', v_ahead, 'retry_after_seconds', 1
+                          'waiting', v_waiting, 'ahead', v_ahead,
+                          'lock_id', v_first.id, 'holder', v_first.holder, 'expires_at', v_first.expires_at,
+                          'retry_after_seconds', CASE
+                              WHEN v_first.id IS NULL THEN 1
+                              ELSE greatest(1, ceil(extract(epoch FROM v_first.expires_at - v_now)))
+                          END
                       )::text;
         ELSE
             -- The lowest slot that no live lock of this value holds; else the slot of the lock
@@ -702,10 +723,11 @@ BEGIN
         END IF;
     END IF;
 
-    -- A waiter's place is consumed by its grant (or by the repeat of its grant).
+    -- A waiter's place is consumed by its grant (or by the repeat of its grant); p_place is its
+    -- order number (a session's places in other pairs go with those pairs' grants).
     IF p_place IS NOT NULL THEN
         DELETE FROM helix_lock_waiters AS w
-        WHERE w.id = p_place AND w.organization_id = p_organization_id;
+        WHERE w.organization_id = p_organization_id AND w.job_type = p_job_type AND w.seq = p_place;
     END IF;
 
     RETURN QUERY
@@ -820,7 +842,7 @@ $function$;
 REVOKE EXECUTE ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,bigint,integer) FROM PUBLIC;
 COMMENT ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,bigint,integer) IS 'helix_add_session_locks without an Idempotency-Key: the call of the build before migration 0028.';
 
-CREATE OR REPLACE FUNCTION public.helix_add_session_locks(p_session_id bigint, p_token text, p_organization_id text, p_job_types text[], p_max_holders integer[], p_quota integer, p_share bigint, p_locks_limit integer, p_idempotency_key text)
+CREATE OR REPLACE FUNCTION public.helix_add_session_locks(p_session_id bigint, p_token text, p_organization_id text, p_job_types text[], p_max_holders integer[], p_quota integer, p_share bigint, p_locks_limit integer, p_idempotency_key text, p_place bigint DEFAULT NULL::bigint)
  RETURNS SETOF helix_session_answer
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -864,7 +886,7 @@ BEGIN
         END IF;
     END IF;
     v_ids := helix_grant_session_locks(
-        v_session, p_job_types, p_max_holders, greatest(v_left, 1000), p_quota, p_share, p_locks_limit, false
+        v_session, p_job_types, p_max_holders, greatest(v_left, 1000), p_quota, p_share, p_locks_limit, false, p_place
     );
     IF p_idempotency_key IS NOT NULL THEN
         UPDATE helix_holds AS h SET added_key = p_idempotency_key
@@ -875,8 +897,8 @@ BEGIN
         SELECT * FROM helix_session_answer(p_session_id, p_organization_id, false, false) AS a
         WHERE a.id = ANY (v_ids);
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,bigint,integer,text) FROM PUBLIC;
-COMMENT ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,bigint,integer,text) IS 'POST /v1/sessions/{id}/locks: grants more locks to an open session, all or none, with its lease (the answer lists them); a repeat with the same Idempotency-Key while the session holds exactly the locks that call added answers them (replayed); HL010 when its lease has run out; a session that lost a lock ends instead (session_state ended). Migration 0028.';
+REVOKE EXECUTE ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,bigint,integer,text,bigint) FROM PUBLIC;
+COMMENT ON FUNCTION helix_add_session_locks(bigint,text,text,text[],integer[],integer,bigint,integer,text,bigint) IS 'POST /v1/sessions/{id}/locks: grants more locks to an open session, all or none, with its lease (the answer lists them); a repeat with the same Idempotency-Key while the session holds exactly the locks that call added answers them (replayed); HL010 when its lease has run out; a session that lost a lock ends instead (session_state ended). Migration 0028; p_place: a waiting call''s order number in its pairs'' queues (0029).';
 
 CREATE OR REPLACE FUNCTION public.helix_announce_expiries(p_limit integer)
  RETURNS integer
@@ -1136,7 +1158,7 @@ END $function$;
 REVOKE EXECUTE ON FUNCTION helix_force_release_job_lock(bigint,text) FROM PUBLIC;
 COMMENT ON FUNCTION helix_force_release_job_lock(bigint,text) IS 'An admin''s release of a live lock, without its token: ends it as forced, with the admin key''s id in forced_by; HL001 or HL003 when there is no live lock of that id.';
 
-CREATE OR REPLACE FUNCTION public.helix_grant_session_locks(p_session helix_sessions, p_job_types text[], p_max_holders integer[], p_ttl_ms bigint, p_quota integer, p_share bigint, p_locks_limit integer, p_lengthen boolean)
+CREATE OR REPLACE FUNCTION public.helix_grant_session_locks(p_session helix_sessions, p_job_types text[], p_max_holders integer[], p_ttl_ms bigint, p_quota integer, p_share bigint, p_locks_limit integer, p_lengthen boolean, p_place bigint DEFAULT NULL::bigint)
  RETURNS bigint[]
  LANGUAGE plpgsql
 AS $function$
@@ -1205,7 +1227,7 @@ BEGIN
         LOOP
             SELECT a.id, a.expires_at INTO v_grant
             FROM helix_acquire_job_lock(
-                v_org, v_job_type, p_session.holder, p_ttl_ms, p_session.metadata, NULL, v_max_holders
+                v_org, v_job_type, p_session.holder, p_ttl_ms, p_session.metadata, NULL, v_max_holders, p_place
             ) AS a;
             IF NOT FOUND THEN
                 RAISE EXCEPTION 'helix_acquire_job_lock returned no row for %', v_job_type;
@@ -1242,8 +1264,8 @@ BEGIN
     END IF;
     RETURN v_ids;
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean) FROM PUBLIC;
-COMMENT ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean) IS 'Grants pairs to a session all or none, each by helix_acquire_job_lock in job type order (a refusal raised with its job_type in DETAIL), on a share of the quota (HL005 once gone) or the exact way under the organization''s quota lock (HL004), within the bound on a session''s locks (HL008); the holds take the session''s token and lease (HL010 if an added lock''s ran out meanwhile). Returns the locks'' ids.';
+REVOKE EXECUTE ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean,bigint) FROM PUBLIC;
+COMMENT ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean,bigint) IS 'Grants pairs to a session all or none, each by helix_acquire_job_lock in job type order (a refusal raised with its job_type in DETAIL), on a share of the quota (HL005 once gone) or the exact way under the organization''s quota lock (HL004), within the bound on a session''s locks (HL008); the holds take the session''s token and lease (HL010 if an added lock''s ran out meanwhile). p_place: the waiting session''s order number in its pairs'' queues (0029). Returns the locks'' ids.';
 
 CREATE OR REPLACE FUNCTION public.helix_hold_changed()
  RETURNS trigger
@@ -1411,40 +1433,46 @@ BEGIN
 END $function$;
 COMMENT ON FUNCTION helix_lease(bigint) IS 'A ttl in milliseconds as an interval; 22023 (naming ttl_seconds) outside 1 s to 1 day.';
 
-CREATE OR REPLACE FUNCTION public.helix_leave_queue(p_id bigint, p_organization_id text, p_owner text, p_keep_seconds double precision DEFAULT 0)
- RETURNS bigint
+CREATE OR REPLACE FUNCTION public.helix_leave_queue(p_seq bigint, p_organization_id text, p_owner text, p_keep_seconds double precision DEFAULT 0)
+ RETURNS integer
  LANGUAGE plpgsql
  SECURITY DEFINER
  SET search_path TO 'public', 'pg_temp'
 AS $function$
 DECLARE
-    v_place helix_lock_waiters%ROWTYPE;
+    v_left integer;
+    v_job_type text;
 BEGIN
     IF p_keep_seconds > 0 THEN
-        -- Kept for a retry with its Idempotency-Key, which takes it over, for that long at most.
+        -- Kept for a retry with its Idempotency-Key, which takes them over, for that long at most.
         UPDATE helix_lock_waiters AS w
         SET owner = NULL, until = least(w.until, clock_timestamp() + make_interval(secs => p_keep_seconds))
-        WHERE w.id = p_id AND w.organization_id = p_organization_id AND w.owner = p_owner
-          AND w.idempotency_key IS NOT NULL
-        RETURNING w.id INTO v_place.id;
-        IF FOUND THEN
-            RETURN v_place.id;
+        WHERE w.organization_id = p_organization_id AND w.seq = p_seq AND w.owner = p_owner
+          AND w.idempotency_key IS NOT NULL;
+        GET DIAGNOSTICS v_left = ROW_COUNT;
+        IF v_left > 0 THEN
+            RETURN v_left;
         END IF;
     END IF;
-    DELETE FROM helix_lock_waiters AS w
-    WHERE w.id = p_id AND w.organization_id = p_organization_id AND w.owner = p_owner
-    RETURNING * INTO v_place;
-    IF FOUND AND EXISTS (
-        SELECT FROM helix_lock_waiters AS w
-        WHERE w.organization_id = v_place.organization_id AND w.job_type = v_place.job_type
-    ) THEN
-        -- The next in the queue may be free to go: wake the pair's waiters.
-        PERFORM pg_notify('helix_lock_released', v_place.organization_id || '/' || v_place.job_type);
-    END IF;
-    RETURN v_place.id;
+    v_left := 0;
+    FOR v_job_type IN
+        DELETE FROM helix_lock_waiters AS w
+        WHERE w.organization_id = p_organization_id AND w.seq = p_seq AND w.owner = p_owner
+        RETURNING w.job_type
+    LOOP
+        v_left := v_left + 1;
+        IF EXISTS (
+            SELECT FROM helix_lock_waiters AS w
+            WHERE w.organization_id = p_organization_id AND w.job_type = v_job_type
+        ) THEN
+            -- The next in that queue may be free to go: wake the pair's waiters.
+            PERFORM pg_notify('helix_lock_released', p_organization_id || '/' || v_job_type);
+        END IF;
+    END LOOP;
+    RETURN v_left;
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_leave_queue(bigint,text,text,double precision) FROM PUBLIC;
-COMMENT ON FUNCTION helix_leave_queue(bigint,text,text,double precision) IS 'A place that leaves the queue without a grant (its client left, its wait ran out), if request p_owner still holds it: deleted, and the pair announced on helix_lock_released while others wait there; or, with p_keep_seconds and an Idempotency-Key, kept that long for a retry to take over. Returns its id, NULL when it was gone or another request''s.';
+COMMENT ON FUNCTION helix_leave_queue(bigint,text,text,double precision) IS 'A request''s places that leave the queues without a grant (its client left, its wait ran out), if request p_owner still holds them: deleted, and each pair announced on helix_lock_released while others wait there; or, with p_keep_seconds and an Idempotency-Key, kept that long for a retry to take over. Returns how many places it left or kept (0: gone, or another request''s).';
 
 CREATE OR REPLACE FUNCTION public.helix_live_places(p_organization_id text, p_job_type text, p_before bigint DEFAULT NULL::bigint, p_limit integer DEFAULT NULL::integer)
  RETURNS SETOF helix_lock_waiters
@@ -1454,11 +1482,11 @@ CREATE OR REPLACE FUNCTION public.helix_live_places(p_organization_id text, p_jo
 AS $function$
     SELECT w.* FROM helix_lock_waiters AS w
     WHERE w.organization_id = p_organization_id AND w.job_type = p_job_type
-      AND (p_before IS NULL OR w.id < p_before)
+      AND (p_before IS NULL OR w.seq < p_before)
       AND w.replica IS NOT NULL
       AND w.until > clock_timestamp()
       AND w.replica IN (SELECT a.application_name FROM pg_stat_get_activity(NULL) AS a)
-    ORDER BY w.id
+    ORDER BY w.seq
     LIMIT p_limit
 $function$;
 REVOKE EXECUTE ON FUNCTION helix_live_places(text,text,bigint,integer) FROM PUBLIC;
@@ -1608,7 +1636,7 @@ END $function$;
 REVOKE EXECUTE ON FUNCTION helix_new_token() FROM PUBLIC;
 COMMENT ON FUNCTION helix_new_token() IS 'A new lock token: 32 hex digits, the random ones of two version-4 UUIDs (128 random bits).';
 
-CREATE OR REPLACE FUNCTION public.helix_open_session(p_organization_id text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text, p_job_types text[], p_max_holders integer[], p_quota integer, p_share bigint, p_sessions_limit integer, p_locks_limit integer)
+CREATE OR REPLACE FUNCTION public.helix_open_session(p_organization_id text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text, p_job_types text[], p_max_holders integer[], p_quota integer, p_share bigint, p_sessions_limit integer, p_locks_limit integer, p_place bigint DEFAULT NULL::bigint)
  RETURNS SETOF helix_session_answer
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -1644,13 +1672,13 @@ BEGIN
     VALUES (p_organization_id, p_holder, helix_new_token(), p_metadata, p_idempotency_key, v_now, v_now + v_lease)
     RETURNING s.* INTO v_session;
     PERFORM helix_grant_session_locks(
-        v_session, p_job_types, p_max_holders, p_ttl_ms, p_quota, p_share, p_locks_limit, true
+        v_session, p_job_types, p_max_holders, p_ttl_ms, p_quota, p_share, p_locks_limit, true, p_place
     );
     PERFORM helix_session_count_lock(v_session, p_sessions_limit);
     RETURN QUERY SELECT * FROM helix_session_answer(v_session.id, p_organization_id, false, false);
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer) FROM PUBLIC;
-COMMENT ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer) IS 'POST /v1/sessions: opens a session and grants its locks in one statement, all or none, or answers the open session of a repeat (same organization, holder and Idempotency-Key) unless it lost a lock; HL009 past the bound on open sessions.';
+REVOKE EXECUTE ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer,bigint) FROM PUBLIC;
+COMMENT ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer,bigint) IS 'POST /v1/sessions: opens a session and grants its locks in one statement, all or none, or answers the open session of a repeat (same organization, holder and Idempotency-Key) unless it lost a lock; HL009 past the bound on open sessions. p_place: a waiting opening''s order number in its pairs'' queues (0029).';
 
 CREATE OR REPLACE FUNCTION public.helix_prune_history(p_older_than interval, p_batch integer)
  RETURNS integer
@@ -2133,14 +2161,14 @@ $function$;
 REVOKE EXECUTE ON FUNCTION helix_stop_waiting(bigint) FROM PUBLIC;
 COMMENT ON FUNCTION helix_stop_waiting(bigint) IS 'Ends a wait''s registration (helix_lock_waiters); returns its id, NULL when it was gone.';
 
-CREATE OR REPLACE FUNCTION public.helix_take_place(p_organization_id text, p_job_type text, p_holder text, p_max_holders integer, p_seconds double precision, p_replica text, p_owner text, p_idempotency_key text)
+CREATE OR REPLACE FUNCTION public.helix_take_places(p_organization_id text, p_job_types text[], p_holder text, p_max_holders integer[], p_seconds double precision, p_replica text, p_owner text, p_idempotency_key text)
  RETURNS bigint
  LANGUAGE plpgsql
  SECURITY DEFINER
  SET search_path TO 'public', 'pg_temp'
 AS $function$
 DECLARE
-    v_id bigint;
+    v_seq bigint;
 BEGIN
     DELETE FROM helix_lock_waiters
     WHERE id IN (
@@ -2148,37 +2176,34 @@ BEGIN
         WHERE w.until < clock_timestamp()
         FOR UPDATE SKIP LOCKED  -- places never wait for each other
     );
-    -- A retry with the same Idempotency-Key keeps the place of the try it repeats, while that
-    -- place lives: it becomes this request's.
+    -- A retry with the same Idempotency-Key and holder keeps the places of the try it repeats,
+    -- while they live: they become this request's.
     IF p_idempotency_key IS NOT NULL THEN
-        UPDATE helix_lock_waiters AS w
-        SET owner = p_owner, replica = p_replica,
-            until = greatest(w.until, clock_timestamp() + make_interval(secs => p_seconds))
-        WHERE w.id = (
-            SELECT q.id FROM helix_lock_waiters AS q
-            WHERE q.organization_id = p_organization_id AND q.job_type = p_job_type
-              AND q.idempotency_key = p_idempotency_key AND q.holder = p_holder
-              AND q.until > clock_timestamp()
-            ORDER BY q.id
-            LIMIT 1
-        )
-        RETURNING w.id INTO v_id;
-        IF FOUND THEN
-            RETURN v_id;
+        SELECT q.seq INTO v_seq FROM helix_lock_waiters AS q
+        WHERE q.organization_id = p_organization_id AND q.job_type = p_job_types[1]
+          AND q.idempotency_key = p_idempotency_key AND q.holder = p_holder
+          AND q.until > clock_timestamp()
+        ORDER BY q.seq
+        LIMIT 1;
+        IF v_seq IS NOT NULL THEN
+            UPDATE helix_lock_waiters AS w
+            SET owner = p_owner, replica = p_replica,
+                until = greatest(w.until, clock_timestamp() + make_interval(secs => p_seconds))
+            WHERE w.organization_id = p_organization_id AND w.seq = v_seq;
+            RETURN v_seq;
         END IF;
     END IF;
+    v_seq := nextval('helix_lock_waiters_seq');
     INSERT INTO helix_lock_waiters (
-        organization_id, job_type, until, replica, holder, max_holders, waiting_since, owner, idempotency_key
+        organization_id, job_type, until, replica, holder, max_holders, waiting_since, owner, idempotency_key, seq
     )
-    VALUES (
-        p_organization_id, p_job_type, clock_timestamp() + make_interval(secs => p_seconds), p_replica,
-        p_holder, p_max_holders, clock_timestamp(), p_owner, p_idempotency_key
-    )
-    RETURNING id INTO v_id;
-    RETURN v_id;
+    SELECT p_organization_id, j.job_type, clock_timestamp() + make_interval(secs => p_seconds), p_replica,
+           p_holder, j.max_holders, clock_timestamp(), p_owner, p_idempotency_key, v_seq
+    FROM unnest(p_job_types, p_max_holders) AS j (job_type, max_holders);
+    RETURN v_seq;
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_take_place(text,text,text,integer,double precision,text,text,text) FROM PUBLIC;
-COMMENT ON FUNCTION helix_take_place(text,text,text,integer,double precision,text,text,text) IS 'A waiting acquire''s place at the end of the pair''s queue for p_seconds, held by replica p_replica for request p_owner; or, for a retry with the same Idempotency-Key and holder, the live place of the try it repeats, handed to it. Deletes the places that ran out on the way; returns the place''s id. The place commits before the waiter''s next attempt, so no end after that attempt goes unannounced.';
+REVOKE EXECUTE ON FUNCTION helix_take_places(text,text[],text,integer[],double precision,text,text,text) FROM PUBLIC;
+COMMENT ON FUNCTION helix_take_places(text,text[],text,integer[],double precision,text,text,text) IS 'A waiting request''s places at the end of the queue of each of its pairs (one for an acquire, one per pair for a session), with one order number, for p_seconds, held by replica p_replica for request p_owner; or, for a retry with the same Idempotency-Key and holder, the live places of the try it repeats, handed to it. Deletes the places that ran out on the way; returns the order number. The places commit before the waiter''s next attempt, so no end after that attempt goes unannounced.';
 
 CREATE OR REPLACE FUNCTION public.helix_touch_api_keys(p_ids text[])
  RETURNS integer

@@ -9,10 +9,14 @@ import time
 from typing import Any
 
 import httpx
+import psycopg
 import pytest
 
+from harness.proxies import TcpProxy
 from helix_locks.server import keys
-from tests.support import assert_problem, lock_body
+from helix_locks.server.app import create_app
+from helix_locks.server.settings import Settings
+from tests.support import assert_problem, in_process, lock_body
 
 pytestmark = pytest.mark.anyio
 QUEUE = "/v1/locks/queue?organization_id=acme&job_type=nightly-report"
@@ -67,7 +71,10 @@ async def test_waiters_are_granted_in_the_order_of_their_places_and_nobody_passe
         refused = await client.post("/v1/locks", json=lock_body(holder="jumper"))
         problem = assert_problem(refused, 409)
         assert problem["type"] == "urn:helix-locks:problem:waiters-ahead", problem
-        assert problem["waiting"] == 5 and refused.headers["retry-after"] == "1"
+        assert problem["waiting"] == 5
+        # The key is held: the holder's lease is named, and Retry-After counts down to its end.
+        assert (problem["lock_id"], problem["holder"]) == (holder["id"], "holder")
+        assert int(refused.headers["retry-after"]) > 1
     await release(client, holder)
     await asyncio.wait_for(asyncio.gather(*waiters), 30)
     assert [lock["holder"] for lock in granted] == [f"w{n}" for n in range(5)]
@@ -138,30 +145,99 @@ async def test_a_wait_that_runs_out_leaves_the_queue_and_the_next_keeps_its_plac
     assert answer.status_code == 201 and answer.json()["holder"] == "long"
 
 
-async def test_a_retry_with_the_same_idempotency_key_keeps_its_place(client: httpx.AsyncClient) -> None:
-    """A worker whose wait goes in rounds (the SDKs' waits longer than 60 s do) asks again with the
-    same Idempotency-Key when a round runs out: it keeps its place ahead of those who came after."""
-    holder = await grant(client, "holder")
-    round_one = asyncio.create_task(
-        client.post(
-            "/v1/locks", json=lock_body(holder="patient", wait_seconds=1), headers={"Idempotency-Key": "k"}
-        )
+async def test_sessions_take_one_turn_in_each_of_their_queues_and_are_granted_in_order(
+    client: httpx.AsyncClient,
+) -> None:
+    """Two sessions wanting {A, B} and {B, C}, then a plain waiter on B, queued in that order, are
+    granted in that order; a pair a session heads is kept for it while it waits for its others."""
+
+    def places(job_type: str) -> str:
+        return f"/v1/locks/queue?organization_id=acme&job_type={job_type}"
+
+    async def queue_of(job_type: str, count: int) -> list[str]:
+        deadline = time.monotonic() + 20
+        while len(items := (await client.get(places(job_type))).json()["items"]) != count:
+            assert time.monotonic() < deadline, f"{job_type}'s queue has {len(items)}, not {count}"
+            await asyncio.sleep(0.02)
+        return [item["holder"] for item in items]
+
+    def session(holder: str, *job_types: str) -> dict[str, Any]:
+        return {
+            "organization_id": "acme",
+            "holder": holder,
+            "ttl_seconds": 30,
+            "wait_seconds": 30,
+            "locks": [{"job_type": job_type} for job_type in job_types],
+        }
+
+    held = {job_type: await grant(client, "holder", job_type=job_type) for job_type in ("a", "b", "c")}
+    first = asyncio.create_task(client.post("/v1/sessions", json=session("s1", "a", "b")))
+    await queue_of("a", 1)
+    second = asyncio.create_task(client.post("/v1/sessions", json=session("s2", "b", "c")))
+    await queue_of("c", 1)
+    plain = asyncio.create_task(
+        client.post("/v1/locks", json=lock_body(holder="w", job_type="b", wait_seconds=30))
     )
-    await queued(client, 1)
-    later = asyncio.create_task(client.post("/v1/locks", json=lock_body(holder="later", wait_seconds=30)))
-    assert [p["holder"] for p in await queued(client, 2)] == ["patient", "later"]
-    assert_problem(await round_one, 409)
-    round_two = asyncio.create_task(
-        client.post(
-            "/v1/locks", json=lock_body(holder="patient", wait_seconds=30), headers={"Idempotency-Key": "k"}
-        )
-    )
+    assert await queue_of("b", 3) == ["s1", "s2", "w"]
+
+    await release(client, held["c"])  # s2 heads c, not b: c is kept for it
+    kept = await client.post("/v1/locks", json=lock_body(holder="passer-by", job_type="c"))
+    assert assert_problem(kept, 409)["type"].endswith("waiters-ahead")
+    await release(client, held["a"])  # s1 heads a, but b is held
     await asyncio.sleep(0.2)
-    assert [p["holder"] for p in await queued(client, 2)] == ["patient", "later"], "its place, not a new one"
-    await release(client, holder)
-    first = await asyncio.wait_for(round_two, 10)
-    assert first.status_code == 201 and first.json()["holder"] == "patient"
-    assert not later.done()
-    await release(client, first.json())
-    second = await asyncio.wait_for(later, 10)
-    assert second.status_code == 201 and second.json()["fencing_token"] == first.json()["fencing_token"] + 1
+    assert not (first.done() or second.done() or plain.done())
+    await release(client, held["b"])  # s1 heads a and b
+    one = (await asyncio.wait_for(first, 10)).json()
+    assert [lock["job_type"] for lock in one["locks"]] == ["a", "b"]
+    assert not second.done() and not plain.done(), "s2 and w come after s1"
+    ended = await client.delete(f"/v1/sessions/{one['id']}", headers={"Lock-Token": one["token"]})
+    assert ended.status_code == 204
+    two = (await asyncio.wait_for(second, 10)).json()
+    assert [lock["job_type"] for lock in two["locks"]] == ["b", "c"]
+    assert not plain.done(), "w comes after s2"
+    ended = await client.delete(f"/v1/sessions/{two['id']}", headers={"Lock-Token": two["token"]})
+    assert ended.status_code == 204
+    last = (await asyncio.wait_for(plain, 10)).json()
+    tokens = [one["locks"][1]["fencing_token"], two["locks"][0]["fencing_token"], last["fencing_token"]]
+    assert tokens == [held["b"]["fencing_token"] + n for n in (1, 2, 3)], tokens
+
+
+async def test_a_place_its_request_could_not_leave_is_left_once_the_database_is_back(db_url: str) -> None:
+    """The waiter's request ends while the pool cannot reach the database, so its place could not
+    be deleted then; the process's listener (direct) stays, so the place would count as live until
+    its wait ran out. It is left again as soon as the database answers."""
+    proxy = TcpProxy(db_url)
+    await proxy.start()
+    settings = Settings(
+        database_url=proxy.url(db_url),
+        direct_database_url=db_url,
+        pool_timeout_seconds=1.0,
+        statement_timeout_ms=500,
+        allow_anonymous=True,
+    )
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        held = conn.execute(
+            "SELECT id, token FROM helix_acquire_job_lock("
+            "'acme', 'nightly-report', 'holder', 60000, NULL, NULL)"
+        ).fetchone()
+        assert held is not None
+        async with in_process(create_app(settings)) as client:
+            waiter = asyncio.create_task(
+                client.post("/v1/locks", json=lock_body(holder="w", wait_seconds=30))
+            )
+            await queued(client, 1)
+            await proxy.cut()  # the pool's connections are gone; the listener's are not
+            conn.execute("SELECT helix_release_job_lock(%s, %s, NULL)", held)  # wakes the waiter
+            assert_problem(await asyncio.wait_for(waiter, 10), 503)
+            assert conn.execute("SELECT count(*) FROM helix_lock_waiters").fetchone() == (1,), "not left yet"
+            restored = TcpProxy(db_url)
+            restored.port = proxy.port
+            await restored.start()
+            try:
+                deadline = time.monotonic() + 10
+                while conn.execute("SELECT count(*) FROM helix_lock_waiters").fetchone() != (0,):
+                    assert time.monotonic() < deadline, "the place was never left"
+                    await asyncio.sleep(0.05)
+                assert (await client.post("/v1/locks", json=lock_body(holder="after"))).status_code == 201
+            finally:
+                await restored.cut()

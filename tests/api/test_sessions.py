@@ -480,19 +480,22 @@ async def test_renewing_lapsed_sessions_cannot_pass_the_bound_on_open_sessions(
 async def test_a_waiting_session_holds_none_of_its_set_and_is_granted_once_all_are_free(
     client: httpx.AsyncClient, conn: Conn
 ) -> None:
-    """wait_seconds: while b is held the session waits holding nothing (a stays free for others);
-    it is woken by the releases, not by a timer (the leases run 60 s), and granted both at once."""
+    """wait_seconds: while a and b are held the session waits holding nothing, its place in each
+    queue keeping a freed pair for it (another acquire gets waiters-ahead); it is woken by the
+    releases, not by a timer (the leases run 60 s), and granted both at once."""
+    held_a = await acquire(client, job_type="a", ttl_seconds=60)
     held_b = await acquire(client, job_type="b", ttl_seconds=60)
     waiting = asyncio.create_task(
         client.post("/v1/sessions", json=session_body("a", "b", wait_seconds=20, holder="w2"))
     )
     await asyncio.sleep(0.3)
     assert not waiting.done()
-    held_a = await acquire(client, job_type="a", ttl_seconds=60)  # a was not held by the waiter
     await client.delete(f"/v1/locks/{held_b['id']}", headers={"Lock-Token": held_b["token"]})
     await asyncio.sleep(0.3)
     assert not waiting.done()  # b is free, a is not: still nothing granted
     assert conn.execute("SELECT count(*) FROM helix_holds WHERE holder = 'w2'").fetchone() == (0,)
+    kept = await client.post("/v1/locks", json=lock_body(job_type="b", holder="passer-by"))
+    assert assert_problem(kept, 409)["type"].endswith("waiters-ahead"), "b is kept for the session"
     await client.delete(f"/v1/locks/{held_a['id']}", headers={"Lock-Token": held_a["token"]})
     response = await asyncio.wait_for(waiting, 10)
     assert response.status_code == 201, response.text

@@ -41,19 +41,20 @@ def take_place(
     key: str | None = None,
 ) -> int:
     row = conn.execute(
-        "SELECT helix_take_place('acme', 'report', %s, %s, %s, %s, %s, %s)",
+        "SELECT helix_take_places('acme', ARRAY['report'], %s, ARRAY[%s]::integer[], %s, %s, %s, %s)",
         (holder, max_holders, seconds, replica, owner or holder, key),
     ).fetchone()
     assert row is not None
     return int(row[0])
 
 
-def leave(conn: Conn, place: int, owner: str, organization_id: str = "acme", keep: float = 0) -> int | None:
+def leave(conn: Conn, place: int, owner: str, organization_id: str = "acme", keep: float = 0) -> int:
+    """How many places of request `owner` left (or were kept) with order number `place`."""
     row = conn.execute(
         "SELECT helix_leave_queue(%s, %s, %s, %s)", (place, organization_id, owner, keep)
     ).fetchone()
     assert row is not None
-    return None if row[0] is None else int(row[0])
+    return int(row[0])
 
 
 def acquire(conn: Conn, holder: str, place: int | None = None, max_holders: int = 1) -> dict[str, Any]:
@@ -84,7 +85,7 @@ def release(conn: Conn, lock: dict[str, Any]) -> None:
 
 
 def places(conn: Conn) -> list[int]:
-    return [int(row[0]) for row in conn.execute("SELECT id FROM helix_lock_waiters ORDER BY id").fetchall()]
+    return [int(row[0]) for row in conn.execute("SELECT seq FROM helix_lock_waiters ORDER BY seq").fetchall()]
 
 
 def test_free_slots_go_to_places_in_order_and_an_acquire_without_one_does_not_pass_them(
@@ -94,11 +95,14 @@ def test_free_slots_go_to_places_in_order_and_an_acquire_without_one_does_not_pa
     first = take_place(conn, "w1", replica=OTHER)
     second = take_place(conn, "w2")
     jumper = refusal(conn, "jumper")
-    # Held, and places wait: counted only as far as it takes to know one is there.
-    assert jumper == {
+    # Held, and places wait: counted only as far as it takes to know one is there; the holder's
+    # lease is named, and the retry comes when it ends.
+    assert jumper["expires_at"] is not None and jumper["retry_after_seconds"] == 30
+    assert {key: jumper[key] for key in ("waiting", "ahead", "lock_id", "holder", "constraint")} == {
         "waiting": 2,
         "ahead": 1,
-        "retry_after_seconds": 1,
+        "lock_id": held["id"],
+        "holder": "holder",
         "constraint": "helix_lock_waiters_pkey",
     }
     # A waiter whose pair is held is told of the holder, whose lease it sleeps on.
@@ -157,16 +161,26 @@ def test_another_max_holders_is_refused_as_such_even_behind_places(conn: Conn) -
     assert refusal(conn, "other", max_holders=3)["max_holders_in_force"] == 2
 
 
+def test_a_larger_max_holders_does_not_pass_a_place_that_named_a_smaller_one(conn: Conn) -> None:
+    """The pair is free and a place waits for it as a plain lock: an acquire of a semaphore of two
+    would find a slot to spare by its own count, but the place comes first."""
+    first = take_place(conn, "w1")
+    assert refusal(conn, "semaphore", max_holders=2)["waiting"] == 1
+    second = take_place(conn, "w2", max_holders=2)
+    assert refusal(conn, "w2", second, max_holders=2)["ahead"] == 1
+    assert acquire(conn, "w1", first)["holder"] == "w1"
+
+
 def test_leaving_the_queue_wakes_the_pairs_waiters(conn: Conn, db_url: str) -> None:
     first = take_place(conn, "w1")
     second = take_place(conn, "w2")
     with psycopg.connect(db_url, autocommit=True) as listening:
         listening.execute("LISTEN helix_lock_released")
-        assert leave(conn, first, "w1", "globex") is None
-        assert leave(conn, first, "w2") is None
+        assert leave(conn, first, "w1", "globex") == 0
+        assert leave(conn, first, "w2") == 0
         assert places(conn) == [first, second], "another organization's place, or request's, is not found"
-        assert leave(conn, first, "w1") == first
-        assert leave(conn, first, "w1") is None
+        assert leave(conn, first, "w1") == 1
+        assert leave(conn, first, "w1") == 0
         heard = [notify.payload for notify in listening.notifies(timeout=2, stop_after=1)]
         assert heard == ["acme/report"]
         assert acquire(conn, "w2", second)["holder"] == "w2", "the next place goes at once"
@@ -180,13 +194,13 @@ def test_a_retry_with_the_same_idempotency_key_takes_over_the_place_of_the_try_i
     # The try is still open (its client's loss not yet seen): the retry takes its place over, and
     # the try can no longer leave it.
     assert take_place(conn, "w1", owner="try-2", key="key/k") == first
-    assert leave(conn, first, "try-1") is None
+    assert leave(conn, first, "try-1") == 0
     # The retry's wait runs out: the place is kept a moment for the next retry, then lapses.
-    assert leave(conn, first, "try-2", keep=0.3) == first
+    assert leave(conn, first, "try-2", keep=0.3) == 1
     assert take_place(conn, "w1", owner="try-3", key="key/k") == first, "the next round keeps its place"
-    assert leave(conn, first, "try-3", keep=0.2) == first
+    assert leave(conn, first, "try-3", keep=0.2) == 1
     time.sleep(0.3)
     assert take_place(conn, "w1", owner="try-4", key="key/k") not in (first, second), "kept no longer"
     # Without a key there is nothing to keep: leaving deletes.
-    assert leave(conn, second, "w2", keep=5) == second
+    assert leave(conn, second, "w2", keep=5) == 1
     assert second not in places(conn)

@@ -96,12 +96,13 @@ def test_twenty_waiters_over_two_replicas_are_granted_in_the_order_they_came(
         assert after[1] >= before[2], (before, after)
 
 
-def _raw_wait(port: int, holder: str) -> socket.socket:
+def _raw_wait(port: int, holder: str, key: str | None = None) -> socket.socket:
     """A waiting acquire sent on a raw socket, left unanswered; closing the socket leaves."""
     payload = json.dumps(body(holder, wait=60)).encode()
     raw = socket.create_connection(("127.0.0.1", port))
     raw.sendall(
         b"POST /v1/locks HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        + (f"Idempotency-Key: {key}\r\n" if key else "").encode()
         + f"Content-Length: {len(payload)}\r\n\r\n".encode()
         + payload
     )
@@ -160,3 +161,50 @@ def test_a_head_whose_client_left_or_whose_replica_died_holds_nobody_back(
         assert answers[-1].status_code == 201 and answers[-1].json()["holder"] == "third"
         assert took < 10, f"granted {took:.1f} s after the release: by the release, not the 60 s lease"
         dying.close()
+
+
+def test_a_retry_with_the_idempotency_key_of_a_waiter_whose_connection_broke_keeps_its_place(
+    db_url: str, tmp_path: Path
+) -> None:
+    """The connection of the first waiter breaks; its retry, with the same Idempotency-Key and
+    through the other replica, comes a moment later and is still first in the queue."""
+    env = ROUTE.env(db_url)
+    with (
+        running_service(env=env, log=tmp_path / "a.log") as (one, _),
+        running_service(env=env, log=tmp_path / "b.log") as (two, _),
+    ):
+        holder = grant(one, "holder")
+        broken = _raw_wait(int(one.rsplit(":", 1)[1]), "patient", key="retry-me")
+        queue(one, 1)
+        later: list[httpx.Response] = []
+        thread = threading.Thread(
+            target=lambda: later.append(
+                httpx.post(f"{one}/v1/locks", json=body("later", wait=60), timeout=90)
+            )
+        )
+        thread.start()
+        assert queue(one, 2) == ["patient", "later"]
+        broken.close()
+        time.sleep(0.2)
+        retried: list[httpx.Response] = []
+        retry = threading.Thread(
+            target=lambda: retried.append(
+                httpx.post(
+                    f"{two}/v1/locks",
+                    json=body("patient", wait=60),
+                    headers={"Idempotency-Key": "retry-me"},
+                    timeout=90,
+                )
+            )
+        )
+        retry.start()
+        time.sleep(0.3)
+        assert queue(one, 2) == ["patient", "later"], "the retry kept the place"
+        release(one, holder)
+        retry.join(timeout=30)
+        assert retried[0].status_code == 201 and retried[0].json()["holder"] == "patient"
+        assert thread.is_alive(), "later is still waiting: it came after"
+        release(two, retried[0].json())
+        thread.join(timeout=30)
+        assert later[0].status_code == 201
+        assert later[0].json()["fencing_token"] == retried[0].json()["fencing_token"] + 1

@@ -381,7 +381,7 @@ def test_every_function_a_service_calls_runs_as_its_owner_with_a_pinned_search_p
     called = set(
         re.findall(r"\b(helix_\w+)\(", " ".join(v for v in vars(queries).values() if isinstance(v, str)))
     )
-    assert {"helix_acquire_job_lock", "helix_release_job_lock", "helix_stop_waiting"} <= called
+    assert {"helix_acquire_job_lock", "helix_release_job_lock", "helix_leave_queue"} <= called
     rows = conn.execute(
         "SELECT p.proname, p.prosecdef, coalesce(array_to_string(p.proconfig, ','), ''),"
         " has_function_privilege('public', p.oid, 'EXECUTE')"

@@ -155,6 +155,7 @@ REFUSED = {
     ("0028_a_session_renews_one_row.sql", "15486fa96194821727c07de57ca9f0e3a4b327d0a1da6342861ca7a00f293c76"),
     ("0028_a_session_renews_one_row.sql", "dc1343e2324a857cf36a96d05f4530d0104b33b27b091f16cf8a03a38fcc4ace"),
     ("0029_a_fair_queue.sql", "58d5120cc0bf452e5a1d4adddf906d3d07470a9fdc2c953cea2e413131b789b2"),
+    ("0029_a_fair_queue.sql", "f7179505f0c0d8ff9ead65b163867c7ba9b2051bffeb99ca3962a073c228121b"),
 }
 
 

@@ -48,7 +48,7 @@ from helix_locks.server.errors import (
 )
 from helix_locks.server.events import EventHub
 from helix_locks.server.keys import ANONYMOUS, Caller, KeyRing
-from helix_locks.server.locks import Grant, Locks, Place, State
+from helix_locks.server.locks import Grant, Locks, Place, State, Wanted
 from helix_locks.server.outcome import Outcome, outcome
 from helix_locks.server.schemas import (
     AcquireRequest,
@@ -69,7 +69,7 @@ from helix_locks.server.schemas import (
     UpdateRequest,
     ttl_ms,
 )
-from helix_locks.server.sessions import Session, Sessions, Wanted
+from helix_locks.server.sessions import Session, Sessions
 from helix_locks.server.telemetry import Metrics
 from helix_locks.server.waiting import Waiters
 
@@ -337,9 +337,8 @@ async def _wait_for(
             # wait ends, and lapses sooner if this process dies first.
             lambda: locks.queued(
                 body.organization_id,
-                body.job_type,
+                [(body.job_type, body.max_holders)],
                 body.holder,
-                body.max_holders,
                 body.wait_seconds + 1,
                 found.waiters.replica,
                 idempotency_key,
@@ -658,7 +657,7 @@ async def open_session(
     caller, sessions = session.caller, services(request).sessions
     key = scoped_key(caller, idempotency_key)
 
-    async def attempt() -> Session:
+    async def attempt(place: Place | None = None) -> Session:
         return await sessions.open(
             caller,
             body.organization_id,
@@ -667,6 +666,7 @@ async def open_session(
             body.metadata,
             key,
             _wanted(body.locks),
+            place,
         )
 
     async def release(opened: Session) -> None:
@@ -677,7 +677,9 @@ async def open_session(
 
     if body.wait_seconds > 0 and body.locks:
         caller.may_act_in(body.organization_id)
-        opened = await _wait_for_set(request, body.organization_id, body.wait_seconds, attempt, release)
+        opened = await _wait_for_set(
+            request, body.organization_id, body.wait_seconds, attempt, release, body.locks, body.holder, key
+        )
     else:
         opened = await attempt()
     logs.bind(session_id=opened.id)
@@ -734,8 +736,8 @@ async def add_session_locks(
     # An organization's key names it (a session of another one is not found all the same).
     organization_id = caller.scope or (await found.sessions.get(caller, id_)).organization_id
 
-    async def attempt() -> Session:
-        return await found.sessions.add(caller, id_, token, organization_id, _wanted(body.locks), key)
+    async def attempt(place: Place | None = None) -> Session:
+        return await found.sessions.add(caller, id_, token, organization_id, _wanted(body.locks), key, place)
 
     async def release(added: Session) -> None:
         if key is not None:  # a retry with its Idempotency-Key may come for them: they stay
@@ -745,7 +747,10 @@ async def add_session_locks(
                 await found.locks.release(caller, lock.id, token)
 
     if body.wait_seconds > 0:
-        added = await _wait_for_set(request, organization_id, body.wait_seconds, attempt, release)
+        holder = (await found.sessions.get(caller, id_)).holder  # whom the queues show waiting
+        added = await _wait_for_set(
+            request, organization_id, body.wait_seconds, attempt, release, body.locks, holder, key
+        )
     else:
         added = await attempt()
     outcome(request.scope).result = "added"
@@ -756,11 +761,15 @@ async def _wait_for_set(
     request: Request,
     organization_id: str,
     wait_seconds: float,
-    attempt: Callable[[], Awaitable[Session]],
+    attempt: Callable[[Place | None], Awaitable[Session]],
     release: Callable[[Session], Awaitable[None]],
+    locks: list[SessionLockRequest],
+    holder: str,
+    idempotency_key: str | None,
 ) -> Session:
-    """A session's locks, waiting up to wait_seconds until all of them can be granted at once;
-    none is held meanwhile. A grant whose client left is released."""
+    """A session's locks, waiting up to wait_seconds until all of them can be granted at once,
+    from a place in each of their queues; none is held meanwhile. A grant whose client left is
+    released."""
     found = services(request)
     async with _client_gone(request) as gone:
         return await found.waiters.acquire_all(
@@ -770,7 +779,14 @@ async def _wait_for_set(
             found.locks.remaining_ms,
             release,
             gone,
-            lambda job_type: found.locks.announcing(organization_id, job_type, wait_seconds + 60),
+            lambda: found.locks.queued(
+                organization_id,
+                _wanted(locks),
+                holder,
+                wait_seconds + 1,
+                found.waiters.replica,
+                idempotency_key,
+            ),
         )
 
 

@@ -62,9 +62,9 @@ def _lock_held(exc: psycopg.Error) -> LockError:
         return MaxHoldersMismatch(int(detail["max_holders_in_force"]), detail.get("job_type"))
     if detail.get("waiting") is not None:  # the pair's queue is in the way (0029)
         return WaitersAhead(
-            None,
-            None,
-            None,
+            detail.get("lock_id"),  # of a held pair: the lease that ends first
+            detail.get("holder"),
+            _time(detail.get("expires_at")),
             int(detail.get("retry_after_seconds", 1)),
             job_type=detail.get("job_type"),
             waiting=int(detail["waiting"]),

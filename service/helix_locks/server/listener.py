@@ -118,6 +118,7 @@ class Listener:
         kwargs = {**CONNECTION_KWARGS, "application_name": self.application_name}
         async with await psycopg.AsyncConnection.connect(self.conninfo, **kwargs) as conn:
             await configure_session(conn, self.statement_timeout_ms)
+            await conn.execute(queries.LISTENER_KEEPALIVES)
             for channel in (*self.channels, queries.PROBE_CHANNEL):
                 await conn.execute(queries.LISTEN.format(psycopg.sql.Identifier(channel)))
             await self_test(conn, self.probe)

@@ -168,8 +168,15 @@ def storable_text(value: str) -> bool:
     return True
 
 
-# How long the place of a wait that ran out is kept for a retry with its Idempotency-Key.
+# How long the place of a waiter whose client left is kept for a retry with its Idempotency-Key.
 KEEP_SECONDS = 1.0
+# A place that could not be left (the database away) is left again after this long, doubling,
+# until it is gone or its wait would have run out: a place whose request ended holds nobody back
+# for longer than the database is away.
+LEAVE_AGAIN_SECONDS = 0.5
+
+# (job_type, max_holders) of each lock a call asks for.
+Wanted = list[tuple[str, int]]
 
 # An acquire's statement parameters (queries.ACQUIRE_WITHIN_QUOTA's, without the quota): the
 # quota reads the organization, and asks with them whether the acquire would add a live lock.
@@ -178,13 +185,13 @@ Acquiring = dict[str, Any]
 
 @dataclass(eq=False)
 class Place:
-    """A waiting acquire's place in its pair's queue (migration 0029), held by this request."""
+    """A waiting request's place in its pair's queue, or in each of its pairs' (a session's),
+    held by this request (migration 0029)."""
 
-    id: int
+    id: int  # its order number in the queues (helix_lock_waiters.seq)
     owner: str = field(default_factory=lambda: secrets.token_hex(8))  # this request, in the database
     granted: bool = False  # consumed by the acquire's grant: nothing left to leave
-    # Its wait is over but its client is still there: kept a moment for a retry with the same
-    # Idempotency-Key (the next round of a longer wait), which takes it over.
+    # Its client left: kept a moment for a retry with the same Idempotency-Key, which takes it over.
     keep: bool = False
 
 
@@ -397,6 +404,7 @@ class Locks:
     def __init__(self, db: Database, quota: LiveLockQuota) -> None:
         self.db = db
         self.quota = quota
+        self._leaving: set[asyncio.Task[None]] = set()  # places to leave once the database is back
 
     async def acquire(
         self,
@@ -465,59 +473,60 @@ class Locks:
         return None if row is None else int(row["ttl_remaining_ms"])
 
     @asynccontextmanager
-    async def announcing(self, organization_id: str, job_type: str, seconds: float) -> AsyncIterator[None]:
-        """While inside, the end of the key's lock is announced (NOTIFY) to every process; the
-        registration expires by itself after `seconds`, should this process die meanwhile."""
-        row = await self.db.fetch_first(
-            queries.WAIT_FOR_RELEASE,
-            {"organization_id": organization_id, "job_type": job_type, "seconds": seconds},
-        )
-        try:
-            yield
-        finally:
-            with contextlib.suppress(LockError):  # the database is away: the row expires
-                await self.db.fetch_all(queries.STOP_WAITING, {"id": row["id"]})
-
-    @asynccontextmanager
     async def queued(
         self,
         organization_id: str,
-        job_type: str,
+        wanted: Wanted,
         holder: str,
-        max_holders: int,
         seconds: float,
         replica: str,
         idempotency_key: str | None,
     ) -> AsyncIterator[Place]:
-        """While inside, a place in the pair's queue held by this replica (with an
-        idempotency key: the place of the try this one repeats, while it lives), which also has
-        the pair's ends announced (NOTIFY); it expires by itself after `seconds`, should this
-        process die meanwhile. Left on the way out unless a grant consumed it: at once, or, if
-        the waiter says `keep`, after KEEP_SECONDS unless a retry takes it over."""
+        """While inside, a place in the queue of each wanted pair ((job type, max_holders)), all
+        with one order number, held by this replica (with an idempotency key: the places of the
+        try this one repeats, while they live), which also have the pairs' ends announced
+        (NOTIFY); they expire by themselves after `seconds`, should this process die meanwhile.
+        Left on the way out unless a grant consumed them: at once, or, if the waiter says `keep`,
+        after KEEP_SECONDS unless a retry takes them over."""
         owner = secrets.token_hex(8)
         params = {
             "organization_id": organization_id,
-            "job_type": job_type,
+            "job_types": [job_type for job_type, _ in wanted],
             "holder": holder,
-            "max_holders": max_holders,
+            "max_holders": [max_holders for _, max_holders in wanted],
             "seconds": seconds,
             "replica": replica,
             "owner": owner,
             "idempotency_key": idempotency_key,
         }
-        place = Place((await self.db.fetch_first(queries.TAKE_PLACE, params))["id"], owner)
+        place = Place((await self.db.fetch_first(queries.TAKE_PLACES, params))["seq"], owner)
+        until = time.monotonic() + seconds
         try:
             yield place
         finally:
             if not place.granted:
                 leaving = {
-                    "id": place.id,
+                    "seq": place.id,
                     "organization_id": organization_id,
                     "owner": owner,
                     "keep": KEEP_SECONDS if place.keep else 0,
                 }
-                with contextlib.suppress(LockError):  # the database is away: the place expires
+                try:
                     await self.db.fetch_all(queries.LEAVE_QUEUE, leaving)
+                except LockError:  # the database is away: leave once it is back
+                    self._leaving.add(asyncio.create_task(self._leave_again(leaving, until)))
+
+    async def _leave_again(self, leaving: dict[str, Any], until: float) -> None:
+        pause = LEAVE_AGAIN_SECONDS
+        try:
+            while time.monotonic() < until:
+                await asyncio.sleep(pause)
+                with contextlib.suppress(LockError):
+                    await self.db.fetch_all(queries.LEAVE_QUEUE, {**leaving, "keep": 0})
+                    return
+                pause = min(pause * 2, 8)
+        finally:
+            self._leaving.discard(asyncio.current_task())
 
     async def queue(
         self, caller: Caller, organization_id: str, job_type: str, limit: int, cursor: str | None
@@ -533,7 +542,7 @@ class Locks:
             "limit": limit + 1,
         }
         rows = await self.db.fetch_all(queries.QUEUE, params)
-        next_cursor = _encode_cursor("queue", [rows[limit - 1]["id"]]) if len(rows) > limit else None
+        next_cursor = _encode_cursor("queue", [rows[limit - 1]["seq"]]) if len(rows) > limit else None
         return rows[:limit], next_cursor
 
     async def release(self, caller: Caller, lock_id: int, token: str) -> Lock:

@@ -112,7 +112,7 @@ OPEN_SESSION = (
     + _SESSION
     + """ FROM helix_open_session(
     %(organization_id)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(job_types)s,
-    %(max_holders)s, %(quota)s, %(share)s, %(sessions_limit)s, %(locks_limit)s
+    %(max_holders)s, %(quota)s, %(share)s, %(sessions_limit)s, %(locks_limit)s, %(place)s
 )"""
 )
 ADD_SESSION_LOCKS = (
@@ -120,7 +120,7 @@ ADD_SESSION_LOCKS = (
     + _SESSION
     + """ FROM helix_add_session_locks(
     %(session_id)s, %(token)s, %(scope)s, %(job_types)s, %(max_holders)s, %(quota)s, %(share)s,
-    %(locks_limit)s, %(idempotency_key)s
+    %(locks_limit)s, %(idempotency_key)s, %(place)s
 )"""
 )
 RENEW_SESSION = (
@@ -136,28 +136,25 @@ CLOSE_SESSION = (
 GET_SESSION = "SELECT " + _SESSION + """ FROM helix_session_answer(%(session_id)s, %(scope)s, false, false)"""
 PRUNE_SESSIONS = "SELECT helix_prune_sessions(%(older_than)s, %(batch)s) AS deleted"
 
-# A waiting acquire's registration (migration 0008): releases of the key are announced while it
-# lasts, and only then.
-WAIT_FOR_RELEASE = "SELECT helix_wait_for_release(%(organization_id)s, %(job_type)s, %(seconds)s) AS id"
-STOP_WAITING = "SELECT helix_stop_waiting(%(id)s) AS id"
-# A waiting acquire's place in its pair's queue (migration 0029), which also announces the pair's
-# ends; a place that leaves without a grant wakes the pair's other waiters.
-TAKE_PLACE = """
-SELECT helix_take_place(
-    %(organization_id)s, %(job_type)s, %(holder)s, %(max_holders)s, %(seconds)s, %(replica)s, %(owner)s,
+# A waiting request's places, one in the queue of each of its pairs with one order number
+# (migration 0029), which also have the pairs' ends announced; places that leave without a grant
+# wake their pairs' other waiters.
+TAKE_PLACES = """
+SELECT helix_take_places(
+    %(organization_id)s, %(job_types)s, %(holder)s, %(max_holders)s, %(seconds)s, %(replica)s, %(owner)s,
     %(idempotency_key)s
-) AS id
+) AS seq
 """
-LEAVE_QUEUE = "SELECT helix_leave_queue(%(id)s, %(organization_id)s, %(owner)s, %(keep)s) AS id"
+LEAVE_QUEUE = "SELECT helix_leave_queue(%(seq)s, %(organization_id)s, %(owner)s, %(keep)s) AS places"
 # One page of a pair's queue: its live places in order, each with its position from 1.
 QUEUE = """
-SELECT q.id, q.holder, q.max_holders, q.waiting_since, q.until, q.position
+SELECT q.seq, q.holder, q.max_holders, q.waiting_since, q.until, q.position
 FROM (
-    SELECT p.*, row_number() OVER (ORDER BY p.id) AS position
+    SELECT p.*, row_number() OVER (ORDER BY p.seq) AS position
     FROM helix_live_places(%(organization_id)s, %(job_type)s, NULL, NULL) AS p
 ) AS q
-WHERE q.id > %(after)s
-ORDER BY q.id
+WHERE q.seq > %(after)s
+ORDER BY q.seq
 LIMIT %(limit)s
 """
 
@@ -358,6 +355,14 @@ TOUCH_KEYS = "SELECT helix_touch_api_keys(%(ids)s) AS touched"
 
 # Notifications (listener.py); the channel is an identifier, composed safely.
 LISTEN = sql.SQL("LISTEN {}")
+# The server's side of the listener's connection probes it every second after 5 idle: while it is
+# open, the places of this process count as live (migration 0029), so a process whose host
+# vanished (no FIN reaches the server) stops holding the queues within about 8 s, not PostgreSQL's
+# default two hours. Over TCP only; a Unix socket needs none.
+LISTENER_KEEPALIVES = """
+SELECT set_config('tcp_keepalives_idle', '5', false), set_config('tcp_keepalives_interval', '1', false),
+       set_config('tcp_keepalives_count', '3', false)
+"""
 PING = "SELECT 1"
 # The listener's self-test: a notification sent the way the lock functions send theirs (through
 # database_url) must reach the listening connection, which a transaction pooler would not do.

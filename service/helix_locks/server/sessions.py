@@ -21,7 +21,7 @@ from helix_locks.server.errors import (
     ShareEnded,
 )
 from helix_locks.server.keys import Caller
-from helix_locks.server.locks import LiveLockQuota, Lock, utc
+from helix_locks.server.locks import LiveLockQuota, Lock, Place, Wanted, utc
 
 SessionState = Literal["held", "expired", "ended"]
 
@@ -62,10 +62,6 @@ class Session:
             lapsed=first["lapsed"],
             replayed=first["replayed"],
         )
-
-
-# (job_type, max_holders) of each lock a call asks for.
-Wanted = list[tuple[str, int]]
 
 
 class Sessions:
@@ -116,9 +112,12 @@ class Sessions:
         metadata: dict[str, Any] | None,
         idempotency_key: str | None,
         locks: Wanted,
+        place: Place | None = None,
     ) -> Session:
-        """Open a session with its locks, all granted or none (LockHeld, MaxHoldersMismatch naming
-        the first pair in job type order that cannot be granted, QuotaExceeded, TooManySessions)."""
+        """Open a session with its locks, all granted or none (LockHeld, WaitersAhead,
+        MaxHoldersMismatch naming the first pair in job type order that cannot be granted,
+        QuotaExceeded, TooManySessions). `place`: a waiting opening's places in the pairs' queues,
+        which the grant consumes."""
         caller.may_act_in(organization_id)
         params = {
             "organization_id": organization_id,
@@ -127,9 +126,13 @@ class Sessions:
             "metadata": None if metadata is None else Jsonb(metadata),
             "idempotency_key": idempotency_key,
             "sessions_limit": self.sessions_limit,
+            "place": None if place is None else place.id,
             **self._wanted(locks),
         }
-        return Session.from_rows(await self._granting(organization_id, queries.OPEN_SESSION, params))
+        opened = Session.from_rows(await self._granting(organization_id, queries.OPEN_SESSION, params))
+        if place is not None:
+            place.granted = True
+        return opened
 
     async def add(
         self,
@@ -139,6 +142,7 @@ class Sessions:
         organization_id: str,
         locks: Wanted,
         idempotency_key: str | None = None,
+        place: Place | None = None,
     ) -> Session:
         """Grant more locks to the open session of `organization_id`, all or none; the answer
         lists those added (a repeat of `idempotency_key`: those its first call added, replayed).
@@ -148,9 +152,12 @@ class Sessions:
             "token": token,
             "scope": caller.scope,
             "idempotency_key": idempotency_key,
+            "place": None if place is None else place.id,
             **self._wanted(locks),
         }
         rows = await self._granting(organization_id, queries.ADD_SESSION_LOCKS, params)
+        if place is not None:
+            place.granted = True
         return self._unless_lost(session_id, rows)
 
     async def renew(self, caller: Caller, session_id: int, token: str, ttl_ms: int) -> Session:

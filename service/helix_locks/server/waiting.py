@@ -14,9 +14,10 @@ because a place of another replica comes first, it tries again soon, backing off
 place's grant holds the key and it can sleep on the new lease.
 
 A session's call that waits for a set of keys (sessions.py) is granted all of them at once or
-none: it holds none while it waits, and sleeps until a key that refused it ends (NOTIFY) or the
-lease that refused it runs out, then tries the whole set again. It waits beside the queues of
-single keys, not in them: a set has no turn of its own.
+none: it holds none while it waits. It takes a place in the queue of each of its keys, all with one
+order number, so that it has the same turn in each; it sleeps until a key that refused it ends
+(NOTIFY) or the lease that refused it runs out, then tries the whole set again, and is granted
+once it heads every one of those queues.
 
 Releases announced while the listener was disconnected are lost. After it reconnects, one
 statement on its connection finds the keys whose lock is no longer the one their first waiter
@@ -41,7 +42,6 @@ import psycopg
 
 from helix_locks.server import queries
 from helix_locks.server.errors import (
-    DatabaseUnavailable,
     LockHeld,
     OrganizationWaitersFull,
     TooManyWaiters,
@@ -216,8 +216,8 @@ class Waiters:
                         queue, place, turn, deadline, attempt, remaining_ms, release, gone
                     )
                 finally:
-                    # A wait that ran out (its client still there) may be asked again at once.
-                    place.keep = not gone.done()
+                    # Its client left: a retry with its Idempotency-Key may come for the place.
+                    place.keep = gone.done()
                     del queue.places[place]
                     if queue.places:
                         queue.places[_first(queue)].set()  # the next of this process tries
@@ -234,17 +234,17 @@ class Waiters:
         self,
         organization: str,
         wait_seconds: float,
-        attempt: Callable[[], Awaitable[T]],
+        attempt: Callable[[Place | None], Awaitable[T]],
         remaining_ms: Callable[[int], Awaitable[int | None]],
         release: Callable[[T], Awaitable[None]],
         gone: asyncio.Future[None],
-        announced: Callable[[str], AbstractAsyncContextManager[None]],
+        queued: Callable[[], AbstractAsyncContextManager[Place]],
     ) -> T:
-        """attempt() a whole set (a session's locks) until it grants, for up to wait_seconds;
-        LockHeld, naming the job type that refused, when the time is up. Between attempts it
-        sleeps until a key that refused it ends or the lease that refused it last runs out;
-        inside `announced(job_type)` the ends of that key are announced. `gone` and `release` as
-        for acquire()."""
+        """attempt() a whole set (a session's locks) once; refused, attempt(place) from a place in
+        the queue of each of its keys, taken at once with one order number (inside `queued()`),
+        until it grants, for up to wait_seconds; LockHeld, naming the job type that refused, when
+        the time is up. Between attempts it sleeps until a key that refused it ends or the lease
+        that refused it last runs out. `gone` and `release` as for acquire()."""
         if self._by_organization[organization] >= self.per_organization:
             raise OrganizationWaitersFull(self.per_organization)
         if self.count >= self.limit:
@@ -257,34 +257,37 @@ class Waiters:
         self.count += 1
         self._by_organization[organization] += 1
         try:
-            async with contextlib.AsyncExitStack() as announcing:
-                while True:
-                    if gone.done():
-                        raise WaitInterrupted("the client went away")
-                    wake.clear()  # before the attempt: an end during it must not be missed
-                    try:
-                        return await self._granted(await attempt(), release, gone)
-                    except LockHeld as held:
-                        if self.closing:
-                            raise WaitInterrupted("the service is stopping") from held
-                        left = deadline - loop.time()
-                        if left <= 0:
-                            raise
-                        key = (organization, held.job_type or "")
-                        if key not in watched:
-                            # Its ends wake this set from now on, and are announced once the key
-                            # is registered; one may have come since the attempt: attempt again.
-                            watched.append(key)
-                            self._sets.setdefault(key, set()).add(wake)
-                            with contextlib.suppress(DatabaseUnavailable):
-                                await announcing.enter_async_context(announced(key[1]))
-                                continue
-                        expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
-                        again = again + 1 if expiry == 0 and held.lock_id == run_out else 0
-                        run_out = held.lock_id if expiry == 0 else None
-                        timer = sleep_for(expiry, left, again)
-                        with contextlib.suppress(TimeoutError):
-                            await self._until(wake.wait(), loop.time() + timer, gone)
+            try:
+                return await self._granted(await attempt(None), release, gone)
+            except LockHeld:
+                if self.closing or gone.done() or loop.time() >= deadline:
+                    raise
+            async with queued() as place:
+                try:
+                    while True:
+                        if gone.done():
+                            raise WaitInterrupted("the client went away")
+                        wake.clear()  # before the attempt: an end during it must not be missed
+                        try:
+                            return await self._granted(await attempt(place), release, gone)
+                        except LockHeld as held:
+                            if self.closing:
+                                raise WaitInterrupted("the service is stopping") from held
+                            left = deadline - loop.time()
+                            if left <= 0:
+                                raise
+                            key = (organization, held.job_type or "")
+                            if key not in watched:  # its ends wake this set from now on
+                                watched.append(key)
+                                self._sets.setdefault(key, set()).add(wake)
+                            expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
+                            again = again + 1 if expiry == 0 and held.lock_id == run_out else 0
+                            run_out = held.lock_id if expiry == 0 else None
+                            timer = sleep_for(expiry, left, again)
+                            with contextlib.suppress(TimeoutError):
+                                await self._until(wake.wait(), loop.time() + timer, gone)
+                finally:
+                    place.keep = gone.done()  # its client left: a retry may come for the places
         finally:
             self.count -= 1
             self._by_organization[organization] -= 1
