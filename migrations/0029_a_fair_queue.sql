@@ -91,6 +91,17 @@ BEGIN
           AND q.until > clock_timestamp()
         ORDER BY q.seq
         LIMIT 1;
+        -- The same request: places in exactly the pairs it asks for (not a session's, for an
+        -- acquire of one of its pairs with the same key), so that its grant consumes them all.
+        IF v_seq IS NOT NULL AND (
+            SELECT array_agg(w.job_type ORDER BY w.job_type COLLATE "C")
+            FROM helix_lock_waiters AS w
+            WHERE w.organization_id = p_organization_id AND w.seq = v_seq
+        ) IS DISTINCT FROM (
+            SELECT array_agg(j ORDER BY j COLLATE "C") FROM unnest(p_job_types) AS j
+        ) THEN
+            v_seq := NULL;
+        END IF;
         IF v_seq IS NOT NULL THEN
             UPDATE helix_lock_waiters AS w
             SET owner = p_owner, replica = p_replica,
@@ -306,7 +317,9 @@ BEGIN
             -- slots there are, and a place before it that names another max_holders goes first
             -- whatever the slots: it does not jump the queue. Of a held pair, the refusal names
             -- the lease that ends first, as lock-held does, and counts down to it.
-            SELECT count(*) INTO v_waiting FROM helix_live_places(p_organization_id, p_job_type) AS q;
+            SELECT count(*) INTO v_waiting  -- the others: a waiter's own place does not come first
+            FROM helix_live_places(p_organization_id, p_job_type) AS q
+            WHERE p_place IS NULL OR q.seq <> p_place;
             IF v_full THEN
                 SELECT * INTO v_first FROM unnest(v_live) AS u
                 WHERE u.expires_at > v_now

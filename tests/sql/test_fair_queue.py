@@ -204,3 +204,22 @@ def test_a_retry_with_the_same_idempotency_key_takes_over_the_place_of_the_try_i
     # Without a key there is nothing to keep: leaving deletes.
     assert leave(conn, second, "w2", keep=5) == 1
     assert second not in places(conn)
+
+
+def test_a_retry_takes_over_only_the_places_of_the_same_set(conn: Conn) -> None:
+    """A session's places in a and b are not taken over by an acquire of a alone with the same key
+    and holder: its grant would consume the place in a and leave the one in b behind."""
+
+    def take(job_types: list[str], owner: str) -> int:
+        row = conn.execute(
+            "SELECT helix_take_places('acme', %s, 'h', %s, 30, %s, %s, 'key/k')",
+            (job_types, [1] * len(job_types), REPLICA, owner),
+        ).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    session = take(["a", "b"], "session")
+    assert take(["a"], "acquire") != session
+    assert take(["b", "a"], "retry") == session, "the same set, in any order"
+    owners = conn.execute("SELECT DISTINCT owner FROM helix_lock_waiters WHERE seq = %s", (session,))
+    assert owners.fetchall() == [("retry",)]

@@ -441,7 +441,7 @@ def test_list_queue_and_the_sdk_read_the_queue_and_acquire_says_who_waits_first(
             assert jumper.returncode == runner.EXIT_HELD and "1 acquires wait in the queue" in jumper.stderr
             with pytest.raises(LockHeld) as refused:
                 client.acquire("acme", "queued", 30, "sdk-jumper")
-            assert refused.value.waiting == 1 and refused.value.retry_after == 1
+            assert refused.value.waiting == 1 and refused.value.retry_after > 1  # held: until its lease ends
             client.release(held.id, held.token)
             assert waiter.result().status_code == 201
         assert client.queue("acme", "queued") == {"items": [], "next_cursor": None}

@@ -156,6 +156,7 @@ REFUSED = {
     ("0028_a_session_renews_one_row.sql", "dc1343e2324a857cf36a96d05f4530d0104b33b27b091f16cf8a03a38fcc4ace"),
     ("0029_a_fair_queue.sql", "58d5120cc0bf452e5a1d4adddf906d3d07470a9fdc2c953cea2e413131b789b2"),
     ("0029_a_fair_queue.sql", "f7179505f0c0d8ff9ead65b163867c7ba9b2051bffeb99ca3962a073c228121b"),
+    ("0029_a_fair_queue.sql", "e5a0e9f684ab7b60523bafe74e1e32d567a206ea5b7b7f7a0a1bba2c87401b89"),
 }
 
 

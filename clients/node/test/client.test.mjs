@@ -127,7 +127,7 @@ test("queue lists the waiters in order, and an acquire that does not wait is tol
   const jumper = await rejection(locks.acquire({ organizationId: ORG, jobType: job, ttl: 30 }));
   assert.ok(jumper instanceof LockHeldError && jumper.kind === "waiters-ahead", String(jumper));
   assert.equal(jumper.waiting, 1);
-  assert.equal(jumper.retryAfter, 1);
+  assert.ok(jumper.retryAfter > 1, "the key is held: Retry-After counts down to its lease");
   await locks.release(held);
   const granted = await waiting;
   assert.equal(granted.holder, "node-waiter");
