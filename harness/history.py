@@ -22,7 +22,10 @@ The guarantees it checks, per (organization_id, job_type):
   after its lease ran out: never released by the service on its own (given the release attempts);
 - sessions (check_sessions): the locks a session's opening granted are exactly the set it asked
   for, all granted by one statement (one transaction), and a refused opening made no session:
-  nobody holds a subset of a set it asked for at once.
+  nobody holds a subset of a set it asked for at once;
+- the fair queue (check_queue, from the places recorded by record_places): no grant of a plain
+  pair (max_holders 1) while a place before the grant's own (any place, for a grant that took
+  none) was in the pair's queue, its wait not over: first come, first served.
 An answer that never came is unknown, as Jepsen has it: it may or may not have taken effect, so
 the database may hold grants no client was told about (left to expire) but never fewer.
 """
@@ -32,7 +35,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import psycopg
 
@@ -302,4 +305,100 @@ def _semaphore_violations(
                 f"{key}: {len(live)} grants live at once at {at}, more than max_holders"
                 f" {min(in_force)}: locks {ids}"
             )
+    return violations
+
+
+@dataclass(frozen=True)
+class Place:
+    """A place in a pair's queue, as record_places saw it: taken (inserted) at taken_at by the
+    database's clock, until its wait's end; left (deleted, by its grant or otherwise) at left_at by
+    transaction left_xid, or still there (None)."""
+
+    seq: int
+    key: tuple[str, str]
+    taken_at: datetime
+    until: datetime
+    left_at: datetime | None = None
+    left_xid: int | None = None
+
+
+# The audit of the queue a checked run keeps, in its test database only.
+RECORD_PLACES = """
+CREATE TABLE helix_test_places (
+    op text NOT NULL, seq bigint, organization_id text, job_type text, until timestamptz,
+    at timestamptz NOT NULL DEFAULT clock_timestamp(), xid bigint NOT NULL DEFAULT txid_current()
+);
+CREATE FUNCTION helix_test_place_seen() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        INSERT INTO helix_test_places (op, seq, organization_id, job_type, until)
+        VALUES ('left', OLD.seq, OLD.organization_id, OLD.job_type, OLD.until);
+    ELSE
+        INSERT INTO helix_test_places (op, seq, organization_id, job_type, until)
+        VALUES (lower(TG_OP), NEW.seq, NEW.organization_id, NEW.job_type, NEW.until);
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER helix_test_place_seen AFTER INSERT OR UPDATE OR DELETE ON helix_lock_waiters
+    FOR EACH ROW EXECUTE FUNCTION helix_test_place_seen();
+"""
+
+
+def record_places(db_url: str) -> None:
+    """From now on, every place taken, changed and left in the database is recorded (a test's own
+    database: it adds a table and a trigger)."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute(RECORD_PLACES)
+
+
+def database_places(db_url: str) -> list[Place]:
+    """The places record_places saw, each with its latest wait's end."""
+    with psycopg.connect(db_url) as conn:
+        conn.execute("SET DateStyle = ISO")
+        rows = conn.execute(
+            "SELECT op, seq, organization_id, job_type, until, at, xid FROM helix_test_places"
+            " WHERE seq IS NOT NULL ORDER BY at, xid"
+        ).fetchall()
+    places: dict[tuple[int, tuple[str, str]], Place] = {}
+    for op, seq, organization_id, job_type, until, at, xid in rows:
+        key = (int(seq), (str(organization_id), str(job_type)))
+        if op == "insert":
+            places[key] = Place(key[0], key[1], at, until)
+        elif key in places and op == "update":
+            places[key] = Place(key[0], key[1], places[key].taken_at, until)
+        elif key in places and op == "left":
+            places[key] = Place(key[0], key[1], places[key].taken_at, places[key].until, at, int(xid))
+    return list(places.values())
+
+
+def check_queue(
+    grants: Sequence[Grant], places: Sequence[Place], slack: timedelta = timedelta(milliseconds=200)
+) -> list[str]:
+    """Every grant of a plain pair (max_holders 1) made while a place before its own was waiting:
+    taken more than `slack` before the grant, left (and its wait over) more than `slack` after it.
+    A grant's own place is the one its transaction left; a grant that left none had none, and
+    every waiting place comes before it. The slack covers the commit of a place after its clock
+    was read: it may judge a pass within it fair, never the reverse. Places of a process that died
+    count as waiting until they are left or their wait is over: check runs without deaths."""
+    violations = []
+    by_key: dict[tuple[str, str], list[Place]] = defaultdict(list)
+    for place in places:
+        by_key[place.key].append(place)
+    plain = {g.key for g in grants} - {g.key for g in grants if g.max_holders != 1}
+    for grant in grants:
+        if grant.key not in plain:
+            continue
+        queue = by_key.get(grant.key, [])
+        own = next((p for p in queue if p.left_xid is not None and p.left_xid == grant.acquired_xid), None)
+        at = grant.acquired_at
+        for place in queue:
+            if place is own or (own is not None and place.seq > own.seq):
+                continue
+            ended = min(place.until, place.left_at or place.until)
+            if place.taken_at + slack < at and ended > at + slack:
+                violations.append(
+                    f"lock {grant.lock_id} of {grant.key} granted at {at.isoformat()}"
+                    f" (place {own and own.seq}) passed place {place.seq}, waiting since"
+                    f" {place.taken_at.isoformat()} until {ended.isoformat()}"
+                )
     return violations

@@ -22,11 +22,15 @@ import pytest
 from harness.history import (
     AskedSet,
     Grant,
+    Place,
     Renewed,
     Told,
     check,
+    check_queue,
     check_sessions,
     database_history,
+    database_places,
+    record_places,
     session_openings,
 )
 from harness.processes import running_service
@@ -147,6 +151,7 @@ def _session(record: Record, http: httpx.Client, chance: random.Random, wait: fl
 
 def race(db_url: str, tmp_path: Path, seconds: float) -> tuple[Record, list[Grant], list[str]]:
     record = Record()
+    record_places(db_url)
     with ExitStack() as stack:
         urls = [
             stack.enter_context(
@@ -167,6 +172,7 @@ def race(db_url: str, tmp_path: Path, seconds: float) -> tuple[Record, list[Gran
     grants = database_history(db_url)
     violations = check(grants, record.told, record.renewed, record.released, record.release_attempts)
     violations += check_sessions(grants, record.asked, session_openings(db_url))
+    violations += check_queue(grants, database_places(db_url))
     expected = {"acquire 201", "acquire 409", "release 204", "open 201", "open 409", "renew 200", "end 204"}
     assert set(record.answers) <= expected, record.answers
     # Every request was answered within its own wait and a margin: nothing waited on a deadlock.
@@ -214,3 +220,27 @@ def test_the_session_checker_finds_a_set_granted_in_part() -> None:
     assert "was granted [('acme', 'a')]" in violations[0]
     assert "refused, yet it made session 8" in violations[1]
     assert "does not hold" in violations[2]
+
+
+def test_the_queue_checker_finds_a_grant_that_passed_a_waiting_place() -> None:
+    """The checker can fail: a grant that took no place while a place waited, and a grant of a
+    later place while an earlier one waited; the grants of the first place, of a semaphore, and one
+    before the place was taken, or after it left, pass."""
+    at = datetime(2026, 12, 4)
+    second = timedelta(seconds=1)
+    places = [
+        Place(1, (ORG, "a"), at, at + 60 * second, at + 10 * second, 101),  # granted, lock 2
+        Place(2, (ORG, "a"), at + second, at + 60 * second, at + 5 * second, 100),  # passed it
+        Place(3, (ORG, "b"), at, at + 60 * second),  # never granted, never left
+    ]
+    grants = [
+        Grant(1, (ORG, "a"), 1, at - second, at, at, "released", acquired_xid=99),  # before the places
+        Grant(3, (ORG, "a"), 2, at + 5 * second, at, at, "released", acquired_xid=100),  # place 2 first
+        Grant(2, (ORG, "a"), 3, at + 10 * second, at, at, "released", acquired_xid=101),
+        Grant(4, (ORG, "b"), 1, at + 5 * second, at, at, "released", acquired_xid=102),  # no place
+        Grant(5, (ORG, "c"), 1, at + 5 * second, at, None, None, max_holders=2),
+    ]
+    violations = check_queue(grants, places)
+    assert len(violations) == 2, violations
+    assert "lock 3 of ('acme', 'a')" in violations[0] and "passed place 1" in violations[0]
+    assert "lock 4 of ('acme', 'b')" in violations[1] and "passed place 3" in violations[1]
