@@ -413,8 +413,10 @@ def test_the_client_verbs_print_json_release_and_current_included(db_url: str, t
 def test_list_queue_and_the_sdk_read_the_queue_and_acquire_says_who_waits_first(
     db_url: str, tmp_path: Path
 ) -> None:
-    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
-        client = LockClient(url)
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
         held = client.acquire("acme", "queued", 60, "holder")
         with ThreadPoolExecutor(1) as pool:
             waiter = pool.submit(
