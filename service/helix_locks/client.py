@@ -459,28 +459,9 @@ def _session_grant(body: OpenedSession, ttl: float, sent_at: float) -> SessionGr
     return SessionGrant(body["id"], body["organization_id"], body["token"], ttl, sent_at, body)
 
 
-def _listing(
-    organization_id: str | None,
-    job_type: str | None,
-    state: str | None,
-    limit: int | None,
-    cursor: str | None,
-) -> dict[str, Any]:
-    """GET /v1/locks's query: the parameters given."""
-    given = {
-        "organization_id": organization_id,
-        "job_type": job_type,
-        "state": state,
-        "limit": limit,
-        "cursor": cursor,
-    }
-    return {name: value for name, value in given.items() if value is not None}
-
-
-def _queue(organization_id: str, job_type: str, limit: int | None, cursor: str | None) -> dict[str, Any]:
-    """GET /v1/locks/queue's query: the parameters given."""
-    given = {"organization_id": organization_id, "job_type": job_type, "limit": limit, "cursor": cursor}
-    return {name: value for name, value in given.items() if value is not None}
+def _given(**params: Any) -> dict[str, Any]:
+    """A query's parameters: those given (None: not sent)."""
+    return {name: value for name, value in params.items() if value is not None}
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -1184,7 +1165,16 @@ class LockClient(_Core):
         """One page of locks, newest first: live ones (state None, "held" or "expired") or the
         history ("released", "reclaimed"). Pass the page's next_cursor as `cursor` for the next."""
         found: Page = self._run(
-            self._get("/v1/locks", _listing(organization_id, job_type, state, limit, cursor))
+            self._get(
+                "/v1/locks",
+                _given(
+                    organization_id=organization_id,
+                    job_type=job_type,
+                    state=state,
+                    limit=limit,
+                    cursor=cursor,
+                ),
+            )
         )
         return found
 
@@ -1199,7 +1189,10 @@ class LockClient(_Core):
         """One page of the key's queue: the acquires waiting for it, in the order they will be
         granted. Pass the page's next_cursor as `cursor` for the next."""
         found: QueuePage = self._run(
-            self._get("/v1/locks/queue", _queue(organization_id, job_type, limit, cursor))
+            self._get(
+                "/v1/locks/queue",
+                _given(organization_id=organization_id, job_type=job_type, limit=limit, cursor=cursor),
+            )
         )
         return found
 
@@ -1413,7 +1406,16 @@ class AsyncLockClient(_Core):
     ) -> Page:
         """As LockClient.list."""
         found: Page = await self._run(
-            self._get("/v1/locks", _listing(organization_id, job_type, state, limit, cursor))
+            self._get(
+                "/v1/locks",
+                _given(
+                    organization_id=organization_id,
+                    job_type=job_type,
+                    state=state,
+                    limit=limit,
+                    cursor=cursor,
+                ),
+            )
         )
         return found
 
@@ -1426,7 +1428,10 @@ class AsyncLockClient(_Core):
     ) -> QueuePage:
         """As LockClient.queue."""
         found: QueuePage = await self._run(
-            self._get("/v1/locks/queue", _queue(organization_id, job_type, limit, cursor))
+            self._get(
+                "/v1/locks/queue",
+                _given(organization_id=organization_id, job_type=job_type, limit=limit, cursor=cursor),
+            )
         )
         return found
 

@@ -307,7 +307,7 @@ async def test_a_place_the_database_refuses_ends_the_wait_with_503() -> None:
     @asynccontextmanager
     async def queued() -> AsyncIterator[Place]:
         raise DatabaseUnavailable("connection refused")
-        yield Place(1)
+        yield Place(1, "owner")
 
     gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     waiters = Waiters(10, 10)

@@ -11,7 +11,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -111,11 +111,15 @@ def _encode_cursor(state: str | None, key: list[Any]) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
+def _cursor_data(cursor: str) -> Any:
+    """What _encode_cursor wrote; ValueError (binascii.Error) when it is no such text."""
+    return json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+
+
 def _decode_queue_cursor(cursor: str) -> int:
     """The place a queue's cursor carries; InvalidArgument unless a queue's listing made it."""
     try:
-        data = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
-        match data:
+        match _cursor_data(cursor):
             case {"s": "queue", "k": [int() as after]} if not isinstance(after, bool) and 0 < after < 2**63:
                 return after
         raise ValueError("not a queue's cursor")
@@ -130,7 +134,7 @@ _AFTER_EVERY_SLOT = 1000
 def _decode_cursor(cursor: str, state: State | None, live: bool) -> list[Any]:
     """The key a cursor carries, typed; InvalidArgument unless this kind of listing made it."""
     try:
-        data = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+        data = _cursor_data(cursor)
         first, second, *rest = data["k"]
         if data["s"] != state:
             raise ValueError("cursor of another state")
@@ -189,7 +193,7 @@ class Place:
     held by this request (migration 0029)."""
 
     id: int  # its order number in the queues (helix_lock_waiters.seq)
-    owner: str = field(default_factory=lambda: secrets.token_hex(8))  # this request, in the database
+    owner: str  # this request, in the database (helix_lock_waiters.owner)
     granted: bool = False  # consumed by the acquire's grant: nothing left to leave
     # Its client left: kept a moment for a retry with the same Idempotency-Key, which takes it over.
     keep: bool = False
