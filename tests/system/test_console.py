@@ -1005,3 +1005,76 @@ def test_metadata_breaks_only_between_its_entries(
             assert widths[0] <= widths[1], widths
 
         at_widths(browser, between_entries, artifacts, "console-metadata", cell)
+
+
+def queue_rows(browser: Chrome) -> list[list[str]]:
+    """The timeline's queue as its cells' text, row by row (an empty queue has one row that says so)."""
+    rows: list[list[str]] = browser.execute_script(
+        "return [...document.querySelectorAll('#queue-rows tr')]"
+        ".map(row => [...row.children].map(cell => cell.textContent))"
+    )
+    return rows
+
+
+@needs_chromium
+def test_the_timeline_shows_the_queue_of_its_key_in_order_as_it_moves(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    """Two acquires wait for a held key, the second with a hostile holder: the key's timeline lists
+    them in the order they came, the holder as text; when the lock is released the first is
+    granted and leaves the list, and the second moves up to position 1."""
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        held = acquire(url, "nightly-report", "holder-now")
+        answers: dict[str, httpx.Response] = {}
+
+        def wait(holder: str) -> None:
+            body = {
+                "organization_id": "acme",
+                "job_type": "nightly-report",
+                "holder": holder,
+                "ttl_seconds": 300,
+            }
+            answers[holder] = httpx.post(f"{url}/v1/locks", json={**body, "wait_seconds": 60}, timeout=90)
+
+        def places() -> list[str]:
+            query = {"organization_id": "acme", "job_type": "nightly-report"}
+            page = httpx.get(f"{url}/v1/locks/queue", params=query, timeout=10).json()
+            return [place["holder"] for place in page["items"]]
+
+        waiters = [threading.Thread(target=wait, args=(holder,)) for holder in ("first-waiter", HOSTILE)]
+        try:
+            for number, thread in enumerate(waiters, start=1):
+                thread.start()
+                deadline = time.monotonic() + 30
+                while len(places()) < number and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            assert places() == ["first-waiter", HOSTILE]
+
+            open_console(browser, url)
+            click(browser, "#lock-rows button.key")
+            wait_for(
+                browser,
+                lambda b: (
+                    [row[:3] for row in queue_rows(b)] == [["1", "first-waiter", "1"], ["2", HOSTILE, "1"]]
+                ),
+            )
+            assert browser.find_element(By.ID, "queue-heading").text == "Waiting for this key (2)"
+            assert browser.execute_script("return document.querySelectorAll('#queue-rows img').length") == 0
+            at_widths(browser, lambda b: None, artifacts, "console-queue", "#queue-table")
+
+            released = httpx.delete(f"{url}/v1/locks/{held['id']}", headers={"Lock-Token": held["token"]})
+            assert released.status_code == 204, released.text
+            wait_for(browser, lambda b: [row[:2] for row in queue_rows(b)] == [["1", HOSTILE]])
+            waiters[0].join(timeout=30)
+            assert answers["first-waiter"].status_code == 201, answers["first-waiter"].text
+        finally:
+            # The second waiter is granted once the first lets go, so that its thread ends.
+            first = answers.get("first-waiter")
+            if first is not None and first.status_code == 201:
+                lock = first.json()
+                httpx.delete(f"{url}/v1/locks/{lock['id']}", headers={"Lock-Token": lock["token"]})
+            for thread in waiters:
+                thread.join(timeout=90)
+        assert answers[HOSTILE].status_code == 201, answers[HOSTILE].text
+        wait_for(browser, lambda b: queue_rows(b) == [["Nobody is waiting for this key."]])
+        assert errors(browser) == []

@@ -28,3 +28,11 @@ export function metadataText(lock) {
   }
   return text;
 }
+
+// Identifiers never break inside (nightly-report stays whole; a table scrolls sideways in its
+// box instead), but one longer than this many characters may wrap anywhere, so that no value
+// makes a table wider than a few screens: the class to add to its cell.
+const UNBROKEN_MOST = 40;
+export function unbroken(value) {
+  return value.length > UNBROKEN_MOST ? ' long' : '';
+}

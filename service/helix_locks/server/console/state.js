@@ -26,6 +26,7 @@ export const state = {
   renderedRows: [], // [{entry, ttlCell, ageCell, stateCell}] of the page on screen
   timeline: null, // {org, job, windowMs, start, end, follow, chosen}
   timelineAbort: null, // stops the open timeline's history reading
+  queueTimer: null, // the next reading of the open timeline's queue
   forceTarget: null,
   // The database's clock, estimated: a lock's expires_at minus its ttl_remaining_ms is the
   // database's time when it answered; from then on it advances with performance.now(), never the

@@ -4,7 +4,7 @@
 import { renderCharts } from './charts.js';
 import { $, el } from './dom.js';
 import { askForce } from './force.js';
-import { duration, metadataText } from './format.js';
+import { duration, metadataText, unbroken } from './format.js';
 import { age, awaitingReclaim, state, ttlLeft } from './state.js';
 import { openTimeline } from './timeline.js';
 
@@ -129,14 +129,6 @@ export function render() {
   renderCharts();
 }
 
-// Identifiers never break inside (nightly-report stays whole; the table scrolls sideways in its
-// box instead), but one longer than this many characters may wrap anywhere, so that no value
-// makes the table wider than a few screens.
-const UNBROKEN_MOST = 40;
-function unbroken(value) {
-  return value.length > UNBROKEN_MOST ? ' long' : '';
-}
-
 function row(entry) {
   const lock = entry.lock;
   const keyButton = el('button', {
@@ -179,7 +171,7 @@ function row(entry) {
 
 // Metadata as its JSON text, each top-level entry ("key":value) an unbreakable unit in its own
 // <bdi>, with a break allowed only after the comma between two entries; an entry longer than
-// UNBROKEN_MOST characters may still wrap anywhere. Its text is JSON.stringify's, character for
+// UNBROKEN_MOST characters (format.js) may still wrap anywhere. Its text is JSON.stringify's, character for
 // character.
 function metadataCode(metadata) {
   const code = el('code', {});

@@ -4,6 +4,7 @@
 import { LIST_LIMIT, Refused, listAll } from './api.js';
 import { $, el, svgEl } from './dom.js';
 import { duration, metadataText, utc } from './format.js';
+import { stopQueue, watchQueue } from './queue.js';
 import { HOUR, forgetOld, serverNow, state } from './state.js';
 
 const TIMELINE_PAGES = 20; // the timeline reads at most this many pages of history per state
@@ -12,6 +13,7 @@ export function closeTimeline() {
   if (state.timelineAbort) state.timelineAbort.abort();
   state.timelineAbort = null;
   state.timeline = null;
+  stopQueue();
   $('timeline').hidden = true;
 }
 
@@ -25,6 +27,7 @@ export function openTimeline(org, job) {
   setWindowButtons();
   drawTimeline();
   loadTimeline();
+  watchQueue();
   $('timeline-heading').focus();
 }
 
