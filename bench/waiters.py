@@ -1,11 +1,12 @@
 """Benchmark: 1,000 acquires waiting (wait_seconds) on one key in one service process.
 
     python -m bench.waiters            # --waiters 100 for a smoke run; from the repository root
+    python -m bench.waiters --since 0029   # A/B: the code before migration 0029 (A) and this tree (B)
 
 A lock is taken, then 1,000 clients POST an acquire with "wait_seconds": 60 on its key, each on
 its own keep-alive HTTP/1.1 connection, to `helix-locks serve --workers 1`. Measured:
 
-1. database statements per second while they wait, from 11 s after they were sent, for 5 s: the
+1. database statements per second while they wait, from 20 s after they were sent, for 5 s: the
    change in xact_commit + xact_rollback of the bench database (each statement of the service is a
    transaction of its own), and the calls that pg_stat_statements counts there when it is loaded
    (the embedded server is restarted to load it); both read from a connection to another
@@ -14,6 +15,10 @@ its own keep-alive HTTP/1.1 connection, to `helix-locks serve --workers 1`. Meas
 3. wake latency: the held lock is released, and each waiter that gets 201 releases its lock at
    once, which wakes the next; per grant, the time from sending the DELETE that freed the lock
    to the 201. Waiters not served within their 60 s get 409; the run is cut at 2 minutes.
+
+With --since NNNN (or --base REV), A is the code before migration NNNN (or commit REV's), served
+from a `git archive` on a database of its own beside B's on the same server; the sides take turns,
+A B then B A, for --rounds rounds, and each figure is printed for each round.
 
 The database, the service and the cleanup (on error and Ctrl-C too) are bench/run.py's:
 bench/database.py and bench/servers.py.
@@ -40,7 +45,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from bench import BenchError, interrupted, log
-from bench.database import bench_database
+from bench.database import before_and_after, bench_database, database_name, migration_named
 from bench.http_client import RawConnection, run_loop
 from bench.pgbench import pgbench_path
 from bench.results import percentile
@@ -51,8 +56,9 @@ from helix_locks.server.migrate import migrate
 WAIT_SECONDS = 60
 # A backend reports its transaction counts to pg_stat_database at most once a second, and when it
 # then goes idle, 10 s later: counting sooner would count the waiters' arrival (pg_stat_statements
-# counts at once).
-SETTLE_SECONDS = 11
+# counts at once). 1,000 waiters taking their places arrive over a few seconds: at 11 s the count
+# still held some of their transactions.
+SETTLE_SECONDS = 20
 RUN_CAP_SECONDS = 120  # from the first waiting request on; waiters still waiting then are dropped
 KEY = {"organization_id": "bench", "job_type": "waiters", "holder": "bench", "ttl_seconds": 60}
 JSON = "Content-Type: application/json\r\n"
@@ -209,7 +215,8 @@ def per_query(before: Counts, after: Counts) -> dict[str, int] | None:
     return {" ".join(after[1][q][0].split())[:60]: n for q, n in delta.items() if n}
 
 
-def report(args: argparse.Namespace, setup: list[str], out: Outcome) -> str:
+def figures(args: argparse.Namespace, out: Outcome) -> list[tuple[str, str, str]]:
+    """The report's rows: (figure, measured, goal)."""
     waiting = f"{args.waiters:,} waiting"
     rows = [
         (
@@ -232,6 +239,13 @@ def report(args: argparse.Namespace, setup: list[str], out: Outcome) -> str:
     rows.append((f"WAL bytes/s, {waiting}", f"{out.wal_waiting / args.measure:,.0f}", "~ 0"))
     served = max(1, len(out.latencies))
     rows.append(("WAL bytes per handoff (release, grant)", f"{out.wal_handoffs / served:,.0f}", ""))
+    rows.append((f"{args.waiters:,} handoffs in a row, s", f"{out.handoff_seconds:.2f}", ""))
+    return rows
+
+
+def report(args: argparse.Namespace, setup: list[str], out: Outcome) -> str:
+    rows = figures(args, out)
+    calls = per_query(out.before, out.after)
     seen = "; ".join(f"{n} x {text}" for text, n in sorted((calls or {}).items(), key=lambda c: -c[1]))
     return "\n".join(
         [
@@ -256,6 +270,35 @@ def report(args: argparse.Namespace, setup: list[str], out: Outcome) -> str:
     )
 
 
+def report_sides(args: argparse.Namespace, setup: list[str], rounds: dict[str, list[Outcome]]) -> str:
+    """A/B: each figure of each side, round by round (the sides ran in turn, A B, then B A)."""
+    names = [name for name, _, _ in figures(args, rounds["B"][0])]
+    goals = [goal for _, _, goal in figures(args, rounds["B"][0])]
+    measured = {
+        side: [[value for _, value, _ in figures(args, out)] for out in outs] for side, outs in rounds.items()
+    }
+    lines = [
+        f"Helix Locks: {args.waiters:,} acquires waiting (wait_seconds {WAIT_SECONDS}) on one key, A/B,"
+        f" {args.rounds} round(s), sides in turn",
+        *(f"  {line}" for line in setup),
+        "",
+        f"{'figure':<50} {'A (each round)':>22} {'B (each round)':>22}   goal",
+    ]
+    for number, (name, goal) in enumerate(zip(names, goals, strict=True)):
+        a, b = (" | ".join(values[number] for values in measured[side]) for side in ("A", "B"))
+        lines.append(f"{name:<50} {a:>22} {b:>22}   {goal}")
+    failures = {side: sum(out.failures for out in outs) for side, outs in rounds.items()}
+    lines += [
+        "",
+        "; ".join(
+            f"{side}: {sum(len(out.latencies) for out in outs):,} served, {failures[side]} failures"
+            + "".join(f"; e.g. {error}" for out in outs for error in out.errors[:1])
+            for side, outs in rounds.items()
+        ),
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.waiters",
@@ -270,7 +313,17 @@ def main(argv: list[str] | None = None) -> int:
         help=f"seconds before counting (default: {SETTLE_SECONDS})",
     )
     parser.add_argument("--measure", type=float, default=5, help="seconds counted (default: 5)")
+    parser.add_argument(
+        "--since", help="A/B: A is the code before migration NNNN (such as 0029, the fair queue), B this tree"
+    )
+    parser.add_argument("--base", help="A/B: A is the code of commit REV, B this tree")
+    parser.add_argument("--rounds", type=int, default=2, help="A/B: rounds, sides in turn (default: 2)")
     args = parser.parse_args(argv)
+    if args.since is not None:
+        try:
+            args.since = migration_named(args.since)
+        except ValueError as exc:
+            parser.error(str(exc))
     signal.signal(signal.SIGTERM, interrupted)
     try:
         with ExitStack() as cleanup:
@@ -278,6 +331,22 @@ def main(argv: list[str] | None = None) -> int:
             cleanup.callback(shutil.rmtree, workdir, ignore_errors=True)
             url, where = cleanup.enter_context(bench_database(workdir))
             meter_url = meter_database(url, workdir / "pgdata", cleanup)
+            if args.since or args.base:
+                before = before_and_after((url, where), workdir, args.base, args.since, (0, 0), cleanup)
+                log(before.setup[-2])
+                sides = {"A": (before.url, before.env), "B": (url, {})}
+                rounds: dict[str, list[Outcome]] = {"A": [], "B": []}
+                for round_ in range(args.rounds):
+                    for side in ("A", "B") if round_ % 2 == 0 else ("B", "A"):
+                        side_url, env = sides[side]
+                        log(f"round {round_ + 1}/{args.rounds}, side {side}: {args.waiters} waiters")
+                        with service_process(side_url, 1, workdir / f"{side}{round_}.log", env) as served:
+                            db = database_name(side_url)
+                            rounds[side].append(
+                                run_loop(measure(served[0], served[1].pid, meter_url, db, args))
+                            )
+                print(report_sides(args, before.setup, rounds))
+                return 0 if not any(out.failures for outs in rounds.values() for out in outs) else 1
             migrate(url)
             with psycopg.connect(url) as conn:
                 row = conn.execute("SELECT current_database(), current_setting('server_version')").fetchone()
