@@ -40,6 +40,7 @@ class TcpProxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._cut = False
 
     async def _open_target(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.target_host.startswith("/"):
@@ -59,12 +60,19 @@ class TcpProxy:
 
     async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         server_reader, server_writer = await self._open_target()
+        if self._cut:
+            # Accepted before the cut, its target opened after: it would outlive the cut (a pool
+            # filling itself up at that moment kept one, and a statement reached the database).
+            client_writer.transport.abort()
+            server_writer.transport.abort()
+            return
         self._writers.update((client_writer, server_writer))
         await asyncio.gather(
             self._pipe(client_reader, server_writer), self._pipe(server_reader, client_writer)
         )
 
     async def start(self) -> None:
+        self._cut = False
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -78,6 +86,7 @@ class TcpProxy:
     async def cut(self) -> None:
         """Refuse new connections and reset every open one, as a dead database host would."""
         assert self._server is not None
+        self._cut = True
         self._flowing.set()
         self._server.close()
         for writer in self._writers:
