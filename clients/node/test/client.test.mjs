@@ -144,12 +144,21 @@ test("a semaphore of two: two withLock at once get slots 0 and 1, a third is tol
   const bothIn = new Promise((resolve) => {
     release = resolve;
   });
+  // Neither holder lets go before both third acquires are answered: on a loaded machine one
+  // holder's release came before the other's third acquire, which was then granted the free slot.
+  let tried = 0;
+  let bothTriedResolve;
+  const bothTried = new Promise((resolve) => {
+    bothTriedResolve = resolve;
+  });
   const hold = (holder) =>
     locks.withLock({ organizationId: ORG, jobType: job, ttl: 10, maxHolders: 2, holder }, async (lease) => {
       inside.push(lease);
       if (inside.length === 2) release();
       await within(bothIn, 10_000, "the other holder");
       const third = await rejection(locks.acquire({ organizationId: ORG, jobType: job, maxHolders: 2 }));
+      if (++tried === 2) bothTriedResolve();
+      await within(bothTried, 10_000, "the other holder's third acquire");
       assert.ok(third instanceof LockHeldError, String(third));
       return { slot: lease.slot, token: lease.fencingToken, third };
     });
