@@ -79,9 +79,12 @@ SEED_INTO_ONE_TABLE = [
     f"""INSERT INTO helix_job_locks ({SEED_COLUMNS}, released_at, release_reason)
     SELECT {SEED_COLUMNS}, released_at, release_reason FROM seed_locks"""
 ]
+# A live hold's insert makes its pair's row itself since migration 0030 (helix_holds_modes_apart).
 SEED_KEYS = """
-INSERT INTO helix_lock_keys (organization_id, job_type, last_fencing_token)
+INSERT INTO helix_lock_keys AS k (organization_id, job_type, last_fencing_token)
 SELECT organization_id, job_type, max(fencing_token) FROM seed_locks GROUP BY 1, 2
+ON CONFLICT (organization_id, job_type)
+    DO UPDATE SET last_fencing_token = greatest(k.last_fencing_token, excluded.last_fencing_token)
 """
 
 

@@ -53,6 +53,9 @@ FUNCTION_EXCEPTIONS = {
     " helix_lock_waiters of NEW's own organization and job type, a colocated shard",
     "helix_metadata_bounded()": "a row trigger on helix_holds: its argument is the row (NEW), and it"
     " runs where the row is",
+    "helix_holds_modes_apart()": "a row trigger on helix_holds: its argument is the row (NEW), and it"
+    " reads the holds and the helix_lock_keys row of NEW's own organization and job type, a colocated"
+    " shard",
     "helix_job_locks_written()": "the trigger that takes writes through the view helix_job_locks: its"
     " argument is the row (NEW, OLD), which carries organization_id",
     "helix_raise_held(helix_holds[],timestamp with time zone,integer)": "raises the acquire's conflict"
