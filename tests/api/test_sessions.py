@@ -301,7 +301,7 @@ async def test_bad_session_requests_are_422_and_unknown_sessions_404(client: htt
     assert assert_problem(await client.post("/v1/sessions", json=too_many), 422)
     twice = session_body("a", "a")
     assert assert_problem(await client.post("/v1/sessions", json=twice), 422)
-    bad = session_body(locks=[{"job_type": "a", "mode": "shared"}])
+    bad = session_body(locks=[{"job_type": "a", "mode": "read"}])
     assert assert_problem(await client.post("/v1/sessions", json=bad), 422)
     bad = session_body(locks=[{"job_type": "a", "max_holders": 0}])
     assert assert_problem(await client.post("/v1/sessions", json=bad), 422)

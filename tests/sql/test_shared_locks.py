@@ -199,6 +199,17 @@ def test_the_database_refuses_a_lock_beside_one_of_the_other_mode_whatever_write
     ]
 
 
+def test_a_session_in_replica_mode_does_not_write_past_the_guarantee(conn: Conn) -> None:
+    """session_replication_role = replica skips a table's ordinary triggers (logical replication's
+    apply sets it): the guarantee fires always (migration 0031)."""
+    acquire(conn, "r0", "shared")
+    conn.execute("SET session_replication_role = replica")
+    with pytest.raises(psycopg.errors.ExclusionViolation):
+        insert_hold(conn, shared=False, slot=1, max_holders=2)
+    conn.execute("RESET session_replication_role")
+    assert conn.execute("SELECT count(*) FROM helix_holds").fetchone() == (1,)
+
+
 @pytest.mark.parametrize("second", ISOLATIONS)
 @pytest.mark.parametrize("first", ISOLATIONS)
 def test_two_writers_of_the_two_modes_never_both_pass_whatever_their_isolation(

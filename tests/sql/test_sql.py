@@ -719,6 +719,7 @@ def test_metadata_over_8_kib_as_stored_is_refused_by_every_function_that_writes_
             "max_holders": 1,
             "quota": quota,
             "place": None,
+            "mode": "exclusive",
         }
         statement = queries.ACQUIRE if quota is None else queries.ACQUIRE_WITHIN_QUOTA
         rows = cursor.execute(statement, params).fetchall()
@@ -864,6 +865,7 @@ def test_a_repeat_at_the_quota_is_judged_by_what_it_did_while_another_acquire_co
         "max_holders": 2,
         "quota": 20,
         "place": None,
+        "mode": "exclusive",
     }
     with psycopg.connect(db_url) as pool_key, psycopg.connect(db_url, autocommit=True) as repeat:
         pool_key.execute(

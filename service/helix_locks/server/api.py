@@ -285,6 +285,7 @@ async def acquire(
             waiting=body.wait_seconds > 0,
             max_holders=body.max_holders,
             place=place,
+            mode=body.mode,
         )
 
     try:
@@ -337,7 +338,7 @@ async def _wait_for(
             # wait ends, and lapses sooner if this process dies first.
             lambda: locks.queued(
                 body.organization_id,
-                [(body.job_type, body.max_holders)],
+                [(body.job_type, body.max_holders, body.mode)],
                 body.holder,
                 body.wait_seconds + 1,
                 found.waiters.replica,
@@ -468,6 +469,7 @@ async def lock_queue(
         PlaceBody(
             holder=row["holder"],
             max_holders=row["max_holders"],
+            mode="shared" if row["shared"] else "exclusive",
             waiting_since=row["waiting_since"],
             wait_until=row["until"],
             position=row["position"],
@@ -606,7 +608,7 @@ def known_session_id(session_id: str) -> int:
 
 
 def _wanted(locks: list[SessionLockRequest]) -> Wanted:
-    return [(lock.job_type, lock.max_holders) for lock in locks]
+    return [(lock.job_type, lock.max_holders, lock.mode) for lock in locks]
 
 
 # What a session's grant may answer besides its own problems: the refusals of its pairs.

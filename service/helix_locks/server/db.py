@@ -84,6 +84,7 @@ def _lock_held(exc: psycopg.Error) -> LockError:
         # Listed only in part since 0021; before it, every holder was listed.
         holders_total=int(detail.get("holders_total") or len(holders)),
         job_type=detail.get("job_type"),
+        mode=detail.get("mode"),
     )
 
 

@@ -40,6 +40,8 @@ class LockHeld(LockError):
     holders_total: int = 0
     # Of a session's locks, the pair that could not be granted.
     job_type: str | None = None
+    # The held locks' mode (migration 0030): exclusive or shared; None where the refusal has none.
+    mode: str | None = None
 
 
 @dataclass

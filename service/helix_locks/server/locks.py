@@ -33,6 +33,7 @@ from helix_locks.server.errors import (
 from helix_locks.server.keys import Caller
 
 State = Literal["held", "expired", "released", "reclaimed"]
+Mode = Literal["exclusive", "shared"]
 LIVE_STATES: tuple[State, ...] = ("held", "expired")
 
 
@@ -60,10 +61,15 @@ class Lock:
     # The session the lock belongs to (migration 0027); None for a lock on its own. Read by the
     # statements that can meet a lock of a session.
     session_id: int | None = None
+    # exclusive, or shared (migration 0030): the statements read it as helix_holds.shared.
+    mode: Mode = "exclusive"
 
     @classmethod
     def from_row(cls, row: DictRow) -> Lock:
-        return cls(**{name: utc(row[name]) for name in cls.__dataclass_fields__ if name in row})
+        fields = {name: utc(row[name]) for name in cls.__dataclass_fields__ if name in row}
+        if row.get("shared"):
+            fields["mode"] = "shared"
+        return cls(**fields)
 
 
 def utc(value: Any) -> Any:
@@ -179,8 +185,8 @@ KEEP_SECONDS = 1.0
 # for longer than the database is away.
 LEAVE_AGAIN_SECONDS = 0.5
 
-# (job_type, max_holders) of each lock a call asks for.
-Wanted = list[tuple[str, int]]
+# (job_type, max_holders, mode) of each lock a call asks for.
+Wanted = list[tuple[str, int, Mode]]
 
 # An acquire's statement parameters (queries.ACQUIRE_WITHIN_QUOTA's, without the quota): the
 # quota reads the organization, and asks with them whether the acquire would add a live lock.
@@ -422,6 +428,7 @@ class Locks:
         waiting: bool = False,
         max_holders: int = 1,
         place: Place | None = None,
+        mode: Mode = "exclusive",
     ) -> Grant:
         """Grant the lock (a free slot of up to max_holders), or raise LockHeld (every slot held),
         WaitersAhead (places of the pair's queue come first) or MaxHoldersMismatch (held with
@@ -439,6 +446,7 @@ class Locks:
             "idempotency_key": idempotency_key,
             "max_holders": max_holders,
             "place": None if place is None else place.id,
+            "mode": mode,
         }
         share = await self.quota.admit(params, waiting=waiting)
         row: DictRow | None = None
@@ -486,7 +494,7 @@ class Locks:
         replica: str,
         idempotency_key: str | None,
     ) -> AsyncIterator[Place]:
-        """While inside, a place in the queue of each wanted pair ((job type, max_holders)), all
+        """While inside, a place in the queue of each wanted pair ((job type, max_holders, mode)), all
         with one order number, held by this replica (with an idempotency key: the places of the
         try this one repeats, while they live), which also have the pairs' ends announced
         (NOTIFY); they expire by themselves after `seconds`, should this process die meanwhile.
@@ -495,9 +503,10 @@ class Locks:
         owner = secrets.token_hex(8)
         params = {
             "organization_id": organization_id,
-            "job_types": [job_type for job_type, _ in wanted],
+            "job_types": [job_type for job_type, _, _ in wanted],
             "holder": holder,
-            "max_holders": [max_holders for _, max_holders in wanted],
+            "max_holders": [max_holders for _, max_holders, _ in wanted],
+            "shared": [mode == "shared" for _, _, mode in wanted],
             "seconds": seconds,
             "replica": replica,
             "owner": owner,

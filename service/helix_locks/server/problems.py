@@ -188,10 +188,22 @@ KINDS: Mapping[type[LockError], Kind] = {
         "Live locks hold every slot of this organization and job type (one slot, unless max_holders is"
         " more); lock_id, holder and expires_at name the one whose lease runs out first, holders lists"
         f" at most {HOLDERS_LISTED} of them, those whose leases run out first, and holders_total counts"
-        " them all. Retry-After: whole seconds until the first lease runs out.",
-        LockHeld(1, "worker-7@host-3", _EXPIRES, 30, [Holder(1, "worker-7@host-3", 0, _EXPIRES)], 1, 1),
+        " them all; mode is theirs (exclusive, or shared: readers, which an exclusive acquire waits"
+        " for). Retry-After: whole seconds until the first lease runs out.",
+        LockHeld(
+            1,
+            "worker-7@host-3",
+            _EXPIRES,
+            30,
+            [Holder(1, "worker-7@host-3", 0, _EXPIRES)],
+            1,
+            1,
+            mode="exclusive",
+        ),
         lambda exc: (
-            "A live lock holds this organization and job type."
+            f"{exc.holders_total} shared lock(s) hold this organization and job type."
+            if exc.mode == "shared"
+            else "A live lock holds this organization and job type."
             if exc.max_holders == 1
             else f"Live locks hold all {exc.max_holders} slots of this organization and job type."
         ),
@@ -211,6 +223,7 @@ KINDS: Mapping[type[LockError], Kind] = {
                 for h in exc.holders
             ],
             "holders_total": exc.holders_total,
+            **({"mode": exc.mode} if exc.mode else {}),
             **_pair(exc.job_type),
         },
     ),

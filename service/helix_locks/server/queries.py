@@ -74,18 +74,32 @@ FROM helix_acquire_job_lock(
 # not found.
 RELEASE = "SELECT " + LOCK + " FROM helix_release_job_lock(%(lock_id)s, %(token)s, %(scope)s)"
 
-FORCE_RELEASE = "SELECT " + LOCK + " FROM helix_force_release_job_lock(%(lock_id)s, %(key_id)s)"
+# A lock's mode (migration 0030) is not in the views the functions answer: read from the hold, as
+# this statement's snapshot shows it, from before the function changed it.
+_HOLD_SHARED = "(SELECT h.shared FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS shared"
+
+FORCE_RELEASE = (
+    "SELECT " + LOCK + ", " + _HOLD_SHARED + " FROM helix_force_release_job_lock(%(lock_id)s, %(key_id)s)"
+)
 
 # A waiting acquire's grant whose client left: released unless a replay claimed it (0010).
 RELEASE_UNCLAIMED = "SELECT helix_release_unclaimed(%(lock_id)s, %(token)s, %(scope)s) AS released"
 
-RENEW = "SELECT " + LOCK + ", lapsed FROM helix_renew_job_lock(%(lock_id)s, %(token)s, %(ttl_ms)s, %(scope)s)"
+RENEW = (
+    "SELECT "
+    + LOCK
+    + ", lapsed, "
+    + _HOLD_SHARED
+    + " FROM helix_renew_job_lock(%(lock_id)s, %(token)s, %(ttl_ms)s, %(scope)s)"
+)
 
 # PATCH: the holder replaces the metadata; the lease is unchanged (migration 0015).
 UPDATE = (
     "SELECT "
     + LOCK
-    + """, (SELECT h.session_id FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS session_id
+    + """, (SELECT h.session_id FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS session_id, """
+    + _HOLD_SHARED
+    + """
 FROM helix_update_job_lock(%(lock_id)s, %(token)s, %(metadata)s, %(scope)s)"""
 )
 
@@ -94,7 +108,9 @@ GET = (
     + LOCK
     + """, (SELECT k.forced_by FROM helix_lock_history AS k WHERE k.id = %(lock_id)s) AS forced_by,
        coalesce((SELECT h.session_id FROM helix_holds AS h WHERE h.id = %(lock_id)s),
-                (SELECT k.session_id FROM helix_lock_history AS k WHERE k.id = %(lock_id)s)) AS session_id
+                (SELECT k.session_id FROM helix_lock_history AS k WHERE k.id = %(lock_id)s)) AS session_id,
+       coalesce((SELECT h.shared FROM helix_holds AS h WHERE h.id = %(lock_id)s),
+                (SELECT k.shared FROM helix_lock_history AS k WHERE k.id = %(lock_id)s)) AS shared
 FROM helix_job_lock_views
 WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope)s)
 """
@@ -104,7 +120,7 @@ WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope
 # its unreleased locks each (one row with NULL lock columns when it has none).
 _SESSION = (
     """session_id, session_token, session_organization_id, session_holder, session_expires_at,
-session_ttl_remaining_ms, session_state, session_ended_at, session_end_reason, lapsed, replayed, """
+session_ttl_remaining_ms, session_state, session_ended_at, session_end_reason, lapsed, replayed, shared, """
     + LOCK
 )
 OPEN_SESSION = (
@@ -112,7 +128,7 @@ OPEN_SESSION = (
     + _SESSION
     + """ FROM helix_open_session(
     %(organization_id)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(job_types)s,
-    %(max_holders)s, %(quota)s, %(share)s, %(sessions_limit)s, %(locks_limit)s, %(place)s
+    %(max_holders)s, %(quota)s, %(share)s, %(sessions_limit)s, %(locks_limit)s, %(place)s, %(shared)s
 )"""
 )
 ADD_SESSION_LOCKS = (
@@ -120,7 +136,7 @@ ADD_SESSION_LOCKS = (
     + _SESSION
     + """ FROM helix_add_session_locks(
     %(session_id)s, %(token)s, %(scope)s, %(job_types)s, %(max_holders)s, %(quota)s, %(share)s,
-    %(locks_limit)s, %(idempotency_key)s, %(place)s
+    %(locks_limit)s, %(idempotency_key)s, %(place)s, %(shared)s
 )"""
 )
 RENEW_SESSION = (
@@ -142,13 +158,14 @@ PRUNE_SESSIONS = "SELECT helix_prune_sessions(%(older_than)s, %(batch)s) AS dele
 TAKE_PLACES = """
 SELECT helix_take_places(
     %(organization_id)s, %(job_types)s, %(holder)s, %(max_holders)s, %(seconds)s, %(replica)s, %(owner)s,
-    %(idempotency_key)s
+    %(idempotency_key)s, %(shared)s
 ) AS seq
 """
 LEAVE_QUEUE = "SELECT helix_leave_queue(%(seq)s, %(organization_id)s, %(owner)s, %(keep)s) AS places"
 # One page of a pair's queue: its live places in order, each with its position from 1.
 QUEUE = """
-SELECT q.seq, q.holder, q.max_holders, q.waiting_since, q.until, q.position
+SELECT q.seq, q.holder, q.max_holders, coalesce(q.shared, false) AS shared, q.waiting_since, q.until,
+       q.position
 FROM (
     SELECT p.*, row_number() OVER (ORDER BY p.seq) AS position
     FROM helix_live_places(%(organization_id)s, %(job_type)s, NULL, NULL) AS p
@@ -186,7 +203,8 @@ REMAINING = "SELECT ttl_remaining_ms FROM helix_held_locks WHERE id = %(lock_id)
 CURRENT = (
     "SELECT "
     + LOCK
-    + """, (SELECT h.session_id FROM helix_holds AS h WHERE h.id = v.id) AS session_id
+    + """, (SELECT h.session_id FROM helix_holds AS h WHERE h.id = v.id) AS session_id,
+       (SELECT h.shared FROM helix_holds AS h WHERE h.id = v.id) AS shared
 FROM helix_held_locks AS v
 WHERE organization_id = %(organization_id)s
   AND job_type = %(job_type)s
@@ -205,10 +223,10 @@ LIMIT 1
 ACQUIRE_ON_SHARE = (
     "SELECT "
     + LOCK
-    + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at
+    + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at, %(mode)s = 'shared' AS shared
 FROM helix_acquire_job_lock_on_share(
     %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s,
-    %(max_holders)s, %(share)s, %(place)s
+    %(max_holders)s, %(share)s, %(place)s, %(mode)s
 )
 """
 )
@@ -219,20 +237,20 @@ FROM helix_share_quota(%(organization_id)s, %(limit)s, %(parts)s, %(seconds)s, %
 ACQUIRE_WITHIN_QUOTA = (
     "SELECT "
     + LOCK
-    + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at
+    + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at, %(mode)s = 'shared' AS shared
 FROM helix_acquire_job_lock_within_quota(
     %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(quota)s,
-    %(max_holders)s, %(place)s
+    %(max_holders)s, %(place)s, %(mode)s
 )
 """
 )
 
 # Whether an acquire of one key would add no live lock: every slot has a live lock (the acquire
-# reclaims one, or is refused), or one of another max_holders does (migration 0017), or it
-# repeats a grant still live (migration 0018).
+# reclaims one, or is refused), or one of another max_holders does (migration 0017) or of another
+# mode (0030: a reader has up to 1000 slots), or it repeats a grant still live (migration 0018).
 ADDS_NO_LIVE_LOCK = """
-SELECT count(*) >= %(max_holders)s
-       OR coalesce(bool_or(max_holders <> %(max_holders)s
+SELECT count(*) >= CASE WHEN %(mode)s = 'shared' THEN 1000 ELSE %(max_holders)s END
+       OR coalesce(bool_or(max_holders <> %(max_holders)s OR shared <> (%(mode)s = 'shared')
                            OR idempotency_key = %(idempotency_key)s AND holder = %(holder)s
                               AND expires_at > clock_timestamp()), false) AS adds_none
 FROM helix_holds
@@ -261,7 +279,7 @@ SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquire
        NULL::timestamptz AS released_at, NULL::text AS release_reason, s.state,
        greatest(0, floor(extract(epoch FROM s.expires_at - clock_timestamp()) * 1000))::bigint
            AS ttl_remaining_ms,
-       l.metadata, l.max_holders, l.slot, l.session_id
+       l.metadata, l.max_holders, l.slot, l.session_id, l.shared
 FROM helix_holds AS l
 CROSS JOIN LATERAL (
     SELECT CASE WHEN l.session_id IS NULL THEN l.expires_at
@@ -311,7 +329,7 @@ _HISTORY = """
 SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquired_at, l.expires_at,
        l.released_at, l.release_reason,
        CASE WHEN l.release_reason = 'reclaimed' THEN 'reclaimed' ELSE 'released' END AS state,
-       0::bigint AS ttl_remaining_ms, l.metadata, l.max_holders, l.slot, l.forced_by, l.session_id
+       0::bigint AS ttl_remaining_ms, l.metadata, l.max_holders, l.slot, l.forced_by, l.session_id, l.shared
 FROM helix_lock_history AS l
 WHERE (l.release_reason IS DISTINCT FROM 'reclaimed') = (%(state)s::text = 'released')
   AND (l.released_at, l.id) < (coalesce(%(after_released_at)s::timestamptz, 'infinity'),
@@ -426,7 +444,9 @@ _EVENT_LOCK = """v.id, v.organization_id, v.job_type, v.holder, v.fencing_token,
        v.max_holders, v.slot, CASE WHEN v.release_reason = 'forced' THEN k.forced_by END AS forced_by,
        k.reclaimed_lock_id, k.reclaimed_holder, k.reclaimed_expired_at,
        coalesce((SELECT h.session_id FROM helix_holds AS h WHERE h.id = v.id),
-                (SELECT e.session_id FROM helix_lock_history AS e WHERE e.id = v.id)) AS session_id"""
+                (SELECT e.session_id FROM helix_lock_history AS e WHERE e.id = v.id)) AS session_id,
+       coalesce((SELECT h.shared FROM helix_holds AS h WHERE h.id = v.id),
+                (SELECT e.shared FROM helix_lock_history AS e WHERE e.id = v.id)) AS shared"""
 
 # The reader's poll: its own window from the snapshot it read last to this statement's, and a
 # window for each resumed watcher from where its catch-up ended (its bridge); one statement, so

@@ -7,10 +7,18 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+)
 
 from helix_locks.server.errors import HOLDERS_LISTED
-from helix_locks.server.locks import Grant, Lock, Reclaimed, Renewal, State, storable_text
+from helix_locks.server.locks import Grant, Lock, Mode, Reclaimed, Renewal, State, storable_text
 from helix_locks.server.sessions import Session
 
 # Metadata as stored (stored_bytes), which is what every answer carries back; migration 0021
@@ -156,6 +164,24 @@ MaxHolders = Annotated[
         examples=[1, 3],
     ),
 ]
+ModeField = Annotated[
+    Mode,
+    Field(
+        description="exclusive (the default): the lock excludes every other lock of the organization and"
+        " job type; shared: held beside the pair's other shared locks, up to 1000, each with a lease of"
+        " its own, and never beside an exclusive one. A shared lock has max_holders 1.",
+        examples=["exclusive", "shared"],
+    ),
+]
+
+
+def _one_holder_if_shared(mode: Mode, info: ValidationInfo) -> Mode:
+    """mode shared with max_holders above 1: refused (a semaphore's locks are exclusive)."""
+    if mode == "shared" and info.data.get("max_holders", 1) != 1:
+        raise ValueError("a shared lock has max_holders 1: a semaphore's locks are exclusive")
+    return mode
+
+
 Metadata = Annotated[
     dict[str, Any] | None,
     AfterValidator(_metadata),
@@ -241,6 +267,9 @@ class AcquireRequest(BaseModel):
     metadata: Metadata = None
     wait_seconds: WaitSeconds = 0
     max_holders: MaxHolders = 1
+    mode: ModeField = "exclusive"
+
+    _shared_alone = field_validator("mode")(_one_holder_if_shared)
 
 
 class RenewRequest(BaseModel):
@@ -309,6 +338,12 @@ class LockBody(BaseModel):
         description="Which of the max_holders places this lock holds, from 0; storage that fences the"
         " holders of a semaphore keeps one fence per slot.",
         examples=[0],
+    )
+    mode: Mode = Field(
+        default="exclusive",
+        description="exclusive: no other lock of the pair is held beside it; shared: held beside the"
+        " pair's other shared locks only (a shared lock has max_holders 1 and a slot of its own).",
+        examples=["exclusive"],
     )
     forced_by: str | None = Field(
         default=None,
@@ -443,8 +478,11 @@ class PlaceBody(BaseModel):
     """One place in a pair's queue: a waiting acquire, in the order of the queue."""
 
     holder: str = Field(description="The holder the waiting acquire names.", examples=["worker-9@host-1"])
-    mode: Literal["exclusive"] = Field(
-        default="exclusive", description="The lock the place waits for: exclusive (one holder per slot)."
+    mode: Mode = Field(
+        default="exclusive",
+        description="The lock the place waits for: exclusive (one holder per slot) or shared (held"
+        " together with the other shared locks; a run of shared places is granted together).",
+        examples=["exclusive"],
     )
     max_holders: int = Field(description="The max_holders the waiting acquire names.", examples=[1])
     waiting_since: datetime = Field(
@@ -540,6 +578,12 @@ class Problem(BaseModel):
         description="409 lock-held only: how many locks hold the key, all of them, listed in holders or not.",
         examples=[3],
     )
+    mode: Mode | None = Field(
+        default=None,
+        description="409 lock-held only: the mode of the held locks it met (a pair's live locks share"
+        " one mode): exclusive, or shared (readers, which a writer waits for).",
+        examples=["exclusive"],
+    )
     max_holders: int | None = Field(
         default=None,
         description="409 only: the max_holders the key's held locks share (for max-holders-mismatch, the"
@@ -609,6 +653,9 @@ class SessionLockRequest(BaseModel):
         Field(description="The kind of job, as for an acquire.", examples=["partition-7"]),
     ]
     max_holders: MaxHolders = 1
+    mode: ModeField = "exclusive"
+
+    _shared_alone = field_validator("mode")(_one_holder_if_shared)
 
 
 def _distinct_job_types(locks: list[SessionLockRequest]) -> list[SessionLockRequest]:

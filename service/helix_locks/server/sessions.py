@@ -75,8 +75,9 @@ class Sessions:
 
     def _wanted(self, locks: Wanted) -> dict[str, Any]:
         return {
-            "job_types": [job_type for job_type, _ in locks],
-            "max_holders": [max_holders for _, max_holders in locks],
+            "job_types": [job_type for job_type, _, _ in locks],
+            "max_holders": [max_holders for _, max_holders, _ in locks],
+            "shared": [mode == "shared" for _, _, mode in locks],
             "quota": self.quota.limit,
             "locks_limit": self.locks_limit,
         }
