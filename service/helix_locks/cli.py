@@ -152,6 +152,7 @@ def client_command(args: argparse.Namespace) -> int:
                     args.holder,
                     wait=args.wait,
                     max_holders=args.max_holders,
+                    mode="shared" if args.shared else "exclusive",
                 )
                 _print_json(grant.body)
             elif args.command == "renew":
@@ -222,6 +223,12 @@ def run_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.shared and args.max_holders != 1:
+        print(
+            "helix-locks run: --shared takes no --max-holders (a semaphore's locks are exclusive)",
+            file=sys.stderr,
+        )
+        return 2
     with _client(args) as client:
         return runner.run(
             client,
@@ -232,6 +239,7 @@ def run_command(args: argparse.Namespace) -> int:
             command,
             pass_api_key=args.pass_api_key,
             max_holders=args.max_holders,
+            shared=args.shared,
         )
 
 
@@ -344,6 +352,13 @@ def parser() -> argparse.ArgumentParser:
             metavar="N",
             help="a semaphore: up to N hold the lock at once, each in a slot from 0 to N-1 (default 1); "
             "every holder of the key must give the same N",
+        )
+        command.add_argument(
+            "--shared",
+            action="store_true",
+            help="a shared lock (a reader): held beside the key's other shared locks, never beside an "
+            "exclusive one, which waits for every reader; a reader waits behind a waiting writer"
+            + (" (with several --job-type, all of them shared)" if many else ""),
         )
 
     run_cmd = commands.add_parser(

@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Generator, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
@@ -147,7 +147,8 @@ class LockHeld(HelixError):
     `lock_id`, `holder` and `expires_at` name the held lock whose lease runs out first; `holders`
     lists at most 20 held locks (`lock_id`, `holder`, `slot`, `expires_at`), those whose leases run
     out first; `holders_total` counts them all; `max_holders` is their number of slots; to a
-    session's call, `job_type` names the pair."""
+    session's call, `job_type` names the pair; `mode` is the held locks' (exclusive, or shared:
+    readers, which an exclusive acquire waits for)."""
 
     def __init__(self, problem: Mapping[str, Any], retry_after: float, request_id: str | None = None) -> None:
         super().__init__(f"held by {problem.get('holder')} until {problem.get('expires_at')}")
@@ -156,6 +157,7 @@ class LockHeld(HelixError):
         self.holder: str | None = problem.get("holder")
         self.expires_at: str | None = problem.get("expires_at")
         self.max_holders: int = problem.get("max_holders") or 1
+        self.mode: str = problem.get("mode") or "exclusive"  # absent from a service older than modes
         holders = problem.get("holders")
         if holders is None and self.lock_id is not None:  # an older service names the one holder
             holders = [
@@ -216,6 +218,8 @@ class Grant:
     # Of a semaphore: how many may hold the key at once, and which place, from 0, this one holds.
     max_holders: int = 1
     slot: int = 0
+    # exclusive, or shared: held beside the key's other shared locks, never beside an exclusive one.
+    mode: str = "exclusive"
     kind = "locks"  # the path its renewal and release go to
 
 
@@ -414,6 +418,7 @@ def _acquire_body(
     holder: str | None,
     metadata: Mapping[str, Any] | None,
     max_holders: int = 1,
+    mode: str = "exclusive",
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "organization_id": organization_id,
@@ -425,7 +430,19 @@ def _acquire_body(
         body["metadata"] = dict(metadata)
     if max_holders != 1:  # 1 is the default: a service older than semaphores gets the same body
         body["max_holders"] = max_holders
+    if mode != "exclusive":  # likewise: the default is not sent
+        body["mode"] = mode
     return body
+
+
+def _session_locks(job_types: list[str], shared: Collection[str]) -> list[dict[str, Any]]:
+    """A session call's locks: each job type, shared if named in `shared`."""
+    unknown = set(shared) - set(job_types)
+    if unknown:
+        raise ValueError(f"shared names job types the call does not ask for: {sorted(unknown)}")
+    return [
+        {"job_type": job_type, **({"mode": "shared"} if job_type in shared else {})} for job_type in job_types
+    ]
 
 
 def _wait_round(body: dict[str, Any], give_up: float) -> float:
@@ -452,6 +469,7 @@ def _grant(body: Acquired, ttl: float, sent_at: float) -> Grant:
         body=body,
         max_holders=body.get("max_holders", 1),  # absent from a service older than semaphores
         slot=body.get("slot", 0),
+        mode=body.get("mode", "exclusive"),  # absent from a service older than modes
     )
 
 
@@ -633,6 +651,7 @@ class Lease(_Held):
         # Of a semaphore: the place this lease holds (0 to max_holders - 1). Fence per slot.
         self.slot = grant.slot
         self.max_holders = grant.max_holders
+        self.mode = grant.mode
 
 
 class SessionLease(_Held):
@@ -789,8 +808,9 @@ class _Core:
         metadata: Mapping[str, Any] | None,
         wait: float,
         max_holders: int = 1,
+        mode: str = "exclusive",
     ) -> Flow[Grant]:
-        body = _acquire_body(organization_id, job_type, ttl, holder, metadata, max_holders)
+        body = _acquire_body(organization_id, job_type, ttl, holder, metadata, max_holders, mode)
         return (yield from self._granted("/v1/locks", body, ttl, wait, _grant))
 
     def _open_session(
@@ -801,12 +821,13 @@ class _Core:
         holder: str | None,
         metadata: Mapping[str, Any] | None,
         wait: float,
+        shared: Collection[str] = (),
     ) -> Flow[SessionGrant]:
         body: dict[str, Any] = {
             "organization_id": organization_id,
             "holder": holder or default_holder(),
             "ttl_seconds": ttl,
-            "locks": [{"job_type": job_type} for job_type in job_types],
+            "locks": _session_locks(job_types, shared),
         }
         if metadata is not None:
             body["metadata"] = dict(metadata)
@@ -826,9 +847,9 @@ class _Core:
         return (yield from self._confirmed(grant(answer, ttl, started)))
 
     def _add_session_locks(
-        self, session_id: int, token: str, job_types: list[str], wait: float
+        self, session_id: int, token: str, job_types: list[str], wait: float, shared: Collection[str] = ()
     ) -> Flow[list[Lock]]:
-        body: dict[str, Any] = {"locks": [{"job_type": job_type} for job_type in job_types]}
+        body: dict[str, Any] = {"locks": _session_locks(job_types, shared)}
         headers = {"Idempotency-Key": uuid.uuid4().hex, "Lock-Token": token}
         answer, _ = yield from self._asked(f"/v1/sessions/{session_id}/locks", body, headers, wait, 10.0)
         added: list[Lock] = answer["locks"]
@@ -1059,12 +1080,17 @@ class LockClient(_Core):
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0,
         max_holders: int = 1,
+        mode: str = "exclusive",
     ) -> Grant:
         """Acquire, or LockHeld. With `wait`, the service waits for a held lock for up to that
         many seconds (in rounds of at most 60) before answering. With `max_holders` N, up to N
         hold the key at once, each in a slot of its own (grant.slot); MaxHoldersMismatch, at
-        once, when the held locks of the key share another value."""
-        return self._run(self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders))
+        once, when the held locks of the key share another value. `mode="shared"`: a reader,
+        held beside the key's other readers (each with a lease of its own) and never beside an
+        exclusive lock, which waits for every reader; a reader waits behind a waiting writer."""
+        return self._run(
+            self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode)
+        )
 
     def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> Renewed:
         """Extend a held lock's lease to `ttl` seconds from now, retrying for up to `within`
@@ -1091,22 +1117,28 @@ class LockClient(_Core):
         holder: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0,
+        shared: Collection[str] = (),
     ) -> SessionGrant:
         """Open a session holding the locks of `job_types`, all granted at once or none
         (LockHeld names the first that is held, as its `problem["job_type"]`); with `wait`, wait
         until all are free. The grant's id and token are the session's; renew it with
-        renew_session, end it with end_session."""
-        return self._run(self._open_session(organization_id, job_types, ttl, holder, metadata, wait))
+        renew_session, end it with end_session. The job types named in `shared` are taken as
+        shared locks (readers), the others as exclusive ones."""
+        return self._run(self._open_session(organization_id, job_types, ttl, holder, metadata, wait, shared))
 
     def add_session_locks(
-        self, session: SessionGrant | SessionLease, job_types: list[str], wait: float = 0
+        self,
+        session: SessionGrant | SessionLease,
+        job_types: list[str],
+        wait: float = 0,
+        shared: Collection[str] = (),
     ) -> list[Lock]:
         """Add the locks of `job_types` to a held session, all at once or none (LockHeld names the
         first held, as open_session's does), waiting up to `wait` for all to be free; they share
         its lease. A SessionLease lists them in `locks` and `fencing_tokens` from then on. A retry
         after a lost answer gets the same locks (one Idempotency-Key for every attempt)."""
         grant = session.grant if isinstance(session, SessionLease) else session
-        added = self._run(self._add_session_locks(grant.id, grant.token, job_types, wait))
+        added = self._run(self._add_session_locks(grant.id, grant.token, job_types, wait, shared))
         if isinstance(session, SessionLease):
             session._added(added)
         return added
@@ -1128,11 +1160,12 @@ class LockClient(_Core):
         holder: str | None = None,
         wait: float = 0,
         metadata: Mapping[str, Any] | None = None,
+        shared: Collection[str] = (),
     ) -> Iterator[SessionLease]:
         """Hold all the locks of `job_types` for the block, in one session: renewed every ttl/3
         in a thread with one request for all of them, ended at the end. Its loss (a refused
         renewal, or renewals failing until it could lapse) shows as the lease's."""
-        grant = self.open_session(organization_id, job_types, ttl, holder, metadata, wait)
+        grant = self.open_session(organization_id, job_types, ttl, holder, metadata, wait, shared)
         lease = SessionLease(grant)
         stop = threading.Event()
         renewer = threading.Thread(
@@ -1247,10 +1280,12 @@ class LockClient(_Core):
         wait: float = 0,
         metadata: Mapping[str, Any] | None = None,
         max_holders: int = 1,
+        mode: str = "exclusive",
     ) -> Iterator[SyncLease]:
         """Hold the lock for the block: renewed every ttl/3 in a thread, released at the end.
-        With `max_holders` N, a semaphore: up to N blocks hold the key at once (lease.slot)."""
-        grant = self.acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders)
+        With `max_holders` N, a semaphore: up to N blocks hold the key at once (lease.slot).
+        `mode="shared"`: a reader, held beside other readers, never beside an exclusive lock."""
+        grant = self.acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode)
         lease = SyncLease(grant, self)
         stop = threading.Event()
         renewer = threading.Thread(
@@ -1319,10 +1354,11 @@ class AsyncLockClient(_Core):
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0,
         max_holders: int = 1,
+        mode: str = "exclusive",
     ) -> Grant:
         """As LockClient.acquire."""
         return await self._run(
-            self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders)
+            self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode)
         )
 
     async def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> Renewed:
@@ -1345,16 +1381,23 @@ class AsyncLockClient(_Core):
         holder: str | None = None,
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0,
+        shared: Collection[str] = (),
     ) -> SessionGrant:
         """As LockClient.open_session."""
-        return await self._run(self._open_session(organization_id, job_types, ttl, holder, metadata, wait))
+        return await self._run(
+            self._open_session(organization_id, job_types, ttl, holder, metadata, wait, shared)
+        )
 
     async def add_session_locks(
-        self, session: SessionGrant | SessionLease, job_types: list[str], wait: float = 0
+        self,
+        session: SessionGrant | SessionLease,
+        job_types: list[str],
+        wait: float = 0,
+        shared: Collection[str] = (),
     ) -> list[Lock]:
         """As LockClient.add_session_locks."""
         grant = session.grant if isinstance(session, SessionLease) else session
-        added = await self._run(self._add_session_locks(grant.id, grant.token, job_types, wait))
+        added = await self._run(self._add_session_locks(grant.id, grant.token, job_types, wait, shared))
         if isinstance(session, SessionLease):
             session._added(added)
         return added
@@ -1376,9 +1419,10 @@ class AsyncLockClient(_Core):
         holder: str | None = None,
         wait: float = 0,
         metadata: Mapping[str, Any] | None = None,
+        shared: Collection[str] = (),
     ) -> AsyncIterator[SessionLease]:
         """As LockClient.session, renewed by a task."""
-        grant = await self.open_session(organization_id, job_types, ttl, holder, metadata, wait)
+        grant = await self.open_session(organization_id, job_types, ttl, holder, metadata, wait, shared)
         lease = SessionLease(grant)
         renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")
         try:
@@ -1487,9 +1531,10 @@ class AsyncLockClient(_Core):
         wait: float = 0,
         metadata: Mapping[str, Any] | None = None,
         max_holders: int = 1,
+        mode: str = "exclusive",
     ) -> AsyncIterator[AsyncLease]:
         """As LockClient.lock, renewed by a task."""
-        grant = await self.acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders)
+        grant = await self.acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode)
         lease = AsyncLease(grant, self)
         renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")
         try:

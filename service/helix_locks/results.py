@@ -37,6 +37,9 @@ class Lock(TypedDict):
     forced_by: NotRequired[str | None]
     # The session it belongs to, whose token and lease it shares; None for a lock on its own.
     session_id: NotRequired[int | None]
+    # exclusive, or shared (a reader, held beside the key's other readers); absent from a service
+    # older than modes.
+    mode: NotRequired[Literal["exclusive", "shared"]]
 
 
 class Reclaimed(TypedDict):
@@ -93,7 +96,7 @@ class Place(TypedDict):
     """One place in a key's queue (GET /v1/locks/queue): a waiting acquire."""
 
     holder: str
-    mode: Literal["exclusive"]
+    mode: Literal["exclusive", "shared"]
     max_holders: int
     # When the place was taken (the queue's order) and when it leaves at the latest: RFC 3339.
     waiting_since: str

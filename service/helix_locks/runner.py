@@ -105,13 +105,14 @@ def run(
     command: list[str],
     pass_api_key: bool = False,
     max_holders: int = 1,
+    shared: bool = False,
 ) -> int:
     # Until the command exists, a signal ends `run` itself (with 128+N, as the command would).
     previous = {signum: signal.signal(signum, _interrupt) for signum in FORWARDED}
     # The command gets no API key of ours unless asked: it holds the lock, not the key.
     env = {k: v for k, v in os.environ.items() if pass_api_key or k != API_KEY_VARIABLE}
     try:
-        return _run(client, organization_id, job_types, ttl, wait, command, env, max_holders)
+        return _run(client, organization_id, job_types, ttl, wait, command, env, max_holders, shared)
     except Interrupted as interrupted:
         say(f"interrupted by signal {interrupted.signum} before the command started")
         return 128 + interrupted.signum
@@ -157,19 +158,30 @@ def _run(
     command: list[str],
     env: dict[str, str],
     max_holders: int = 1,
+    shared: bool = False,
 ) -> int:
     job_type = job_types[0]
     grant: Grant | SessionGrant
     try:
         if len(job_types) == 1:
-            grant = client.acquire(organization_id, job_type, ttl, wait=wait, max_holders=max_holders)
+            mode = "shared" if shared else "exclusive"
+            grant = client.acquire(
+                organization_id, job_type, ttl, wait=wait, max_holders=max_holders, mode=mode
+            )
         else:
-            grant = client.open_session(organization_id, job_types, ttl, wait=wait)
+            grant = client.open_session(
+                organization_id, job_types, ttl, wait=wait, shared=job_types if shared else ()
+            )
     except LockHeld as held:
         job_type = held.job_type or job_type
         if held.max_holders > 1:
             say(
                 f"all {held.max_holders} slots of {organization_id}/{job_type} are held;"
+                f" the first lease ends at {held.expires_at}"
+            )
+        elif held.mode == "shared":
+            say(
+                f"{organization_id}/{job_type} is held by {held.holders_total} shared lock(s);"
                 f" the first lease ends at {held.expires_at}"
             )
         else:

@@ -195,6 +195,39 @@ def test_run_with_max_holders_gives_each_command_its_slot(db_url: str, tmp_path:
     assert took < 5, "a mismatch is not waited for"
 
 
+def test_run_shared_holds_beside_other_readers_and_a_writer_waits_for_them(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Two `run --shared` hold the key at once; `run` without it finds readers (75, saying so),
+    and `--shared --max-holders 2` is refused before any request (2)."""
+    go = tmp_path / "go"
+    script = (
+        f'echo "$HELIX_LOCKS_FENCING_TOKEN" > {tmp_path}/token.$$; while [ ! -e {go} ]; do sleep 0.05; done'
+    )
+    base = ("--org", "acme", "--job-type", "dataset", "--ttl", "30")
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        readers = [helix_run(url, *base, "--shared", "--", "sh", "-c", script) for _ in range(2)]
+        deadline = time.monotonic() + 20
+        while len(list(tmp_path.glob("token.*"))) < 2:
+            assert all(p.poll() is None for p in readers) and time.monotonic() < deadline, "both run"
+            time.sleep(0.05)
+        writer = helix_run(url, *base, "--", "true", stderr=subprocess.PIPE)
+        _, writer_err = writer.communicate(timeout=30)
+        both = helix_run(url, *base, "--shared", "--max-holders", "2", "--", "true", stderr=subprocess.PIPE)
+        _, both_err = both.communicate(timeout=30)
+        go.touch()
+        assert [process.wait(timeout=30) for process in readers] == [0, 0]
+        after = helix_run(
+            url, *base, "--", "sh", "-c", f'echo "$HELIX_LOCKS_FENCING_TOKEN" > {tmp_path}/writer'
+        )
+        assert after.wait(timeout=30) == 0
+    tokens = sorted(int(path.read_text()) for path in tmp_path.glob("token.*"))
+    assert len(set(tokens)) == 2
+    assert int((tmp_path / "writer").read_text()) > tokens[-1], "the writer's token is above every reader's"
+    assert writer.returncode == 75 and "2 shared lock(s)" in writer_err, writer_err
+    assert both.returncode == 2 and "--shared takes no --max-holders" in both_err, both_err
+
+
 def test_run_with_several_job_types_holds_all_their_locks_at_once_in_one_session(
     db_url: str, tmp_path: Path
 ) -> None:

@@ -355,6 +355,36 @@ def test_a_waiting_lock_on_a_full_semaphore_is_granted_when_one_holder_releases(
         holder.release(grants[0].id, grants[0].token)
 
 
+# --- shared locks (mode) -------------------------------------------------------------------------
+
+
+def test_readers_hold_together_and_a_writer_is_told_it_met_readers(
+    kind: str, service: tuple[str, Any]
+) -> None:
+    url, _ = service
+    with either(kind, url) as client:
+        with (
+            client.lock("acme", "dataset", holder="r1", mode="shared") as first,
+            client.lock("acme", "dataset", holder="r2", mode="shared") as second,
+        ):
+            assert (first.mode, second.mode) == ("shared", "shared")
+            assert second.fencing_token > first.fencing_token and first.slot != second.slot
+            with pytest.raises(LockHeld) as held, client.lock("acme", "dataset", holder="writer"):
+                pass
+            assert held.value.mode == "shared" and held.value.holders_total == 2
+        with client.lock("acme", "dataset", holder="writer") as writer:
+            assert writer.mode == "exclusive" and writer.fencing_token > second.fencing_token
+        with client.session("acme", ["dataset", "log"], holder="s", shared=["dataset"]) as session:
+            assert (
+                session.locks["dataset"]["mode"] == "shared" and session.locks["log"]["mode"] == "exclusive"
+            )
+            reader = client.acquire("acme", "dataset", holder="r3", mode="shared")
+            assert reader.mode == "shared"
+            client.release(reader.id, reader.token)
+        with pytest.raises(ValueError, match="shared names job types"):
+            client.open_session("acme", ["a"], shared=["b"])
+
+
 def test_an_older_service_without_semaphores_reads_as_one_slot() -> None:
     body = {"id": 7, "organization_id": "acme", "job_type": "x", "fencing_token": 3, "token": "t"}
     grant = _grant(cast(Acquired, {**body, "ttl_remaining_ms": 30_000}), 30, time.monotonic())
