@@ -13,6 +13,9 @@ The guarantees it checks, per (organization_id, job_type):
   released_at, which for a reclaimed lock is the reclaiming grant's acquired_at; both the
   database's own times. With max_holders 1 throughout (every grant in slot 0) these add nothing
   to the checks above, and the checker reports exactly what it reported before semaphores;
+- shared locks (issue 40): at no database instant a shared and an exclusive grant live at once,
+  at most 1000 shared grants live, each with max_holders 1 and a slot below 1000 (a pair with a
+  shared grant is checked as a semaphore is, its readers' room 1000);
 - no renewal of a lock succeeded after that lock had ended, and none was lost: the database keeps
   at least the latest expiry a renewal announced (renewals in a run never shorten a lease), and a
   reclaim came only after that expiry;
@@ -25,7 +28,9 @@ The guarantees it checks, per (organization_id, job_type):
   nobody holds a subset of a set it asked for at once;
 - the fair queue (check_queue, from the places recorded by record_places): no grant of a plain
   pair (max_holders 1) while a place before the grant's own (any place, for a grant that took
-  none) was in the pair's queue, its wait not over: first come, first served.
+  none) was in the pair's queue, its wait not over: first come, first served; of a shared grant,
+  such a place of an exclusive acquire (writers first: readers may be granted together past
+  each other's places, never past a writer's).
 An answer that never came is unknown, as Jepsen has it: it may or may not have taken effect, so
 the database may hold grants no client was told about (left to expire) but never fewer.
 """
@@ -55,6 +60,15 @@ class Grant:
     slot: int = 0
     session_id: int | None = None
     acquired_xid: int | None = None  # the granting transaction
+    shared: bool = False  # its mode: a reader's lock (issue 40), else exclusive
+
+
+# How many shared locks a pair may hold at once.
+READERS_ROOM = 1000
+
+
+def _room(grant: Grant) -> int:
+    return READERS_ROOM if grant.shared else grant.max_holders
 
 
 @dataclass(frozen=True)
@@ -84,11 +98,11 @@ def database_history(db_url: str) -> list[Grant]:
         rows = conn.execute(
             "SELECT h.id, h.organization_id, h.job_type, h.fencing_token, h.acquired_at, v.expires_at,"
             " NULL::timestamptz, NULL::text, h.max_holders, h.slot, h.session_id,"
-            " h.acquired_xid::text::bigint"
+            " h.acquired_xid::text::bigint, h.shared"
             " FROM helix_holds AS h JOIN helix_held_locks AS v ON v.id = h.id"
             " UNION ALL SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
-            " released_at, release_reason, max_holders, slot, session_id, acquired_xid::text::bigint"
-            " FROM helix_lock_history"
+            " released_at, release_reason, max_holders, slot, session_id, acquired_xid::text::bigint,"
+            " shared FROM helix_lock_history"
         ).fetchall()
     return [Grant(r[0], (r[1], r[2]), *r[3:]) for r in rows]
 
@@ -165,7 +179,7 @@ def check(
         by_key[grant.key].append(grant)
     for key, history in by_key.items():
         history.sort(key=lambda g: g.fencing_token)
-        semaphore = any((grant.max_holders, grant.slot) != (1, 0) for grant in history)
+        semaphore = any((grant.max_holders, grant.slot, grant.shared) != (1, 0, False) for grant in history)
         in_slot: dict[int, Grant] = {}  # the latest grant so far, per slot
         for n, after in enumerate(history):
             if n:
@@ -249,7 +263,7 @@ def _semaphore_violations(
     key: tuple[str, str], history: list[Grant], promised: dict[int, datetime]
 ) -> list[str]:
     """What only a pair with several slots can break: the count of live grants, their shared
-    max_holders, their slots' range, and a reclaim made by a grant in another slot."""
+    max_holders and mode, their slots' range, and a reclaim made by a grant in another slot."""
     violations = []
     granted_at = {grant.acquired_at for grant in history}
     next_in_slot: dict[int, Grant] = {}  # per lock, the next grant in its slot
@@ -259,10 +273,10 @@ def _semaphore_violations(
             next_in_slot[latest[grant.slot].lock_id] = grant
         latest[grant.slot] = grant
     for grant in history:
-        if not 0 <= grant.slot < grant.max_holders:
+        if not 0 <= grant.slot < _room(grant) or (grant.shared and grant.max_holders != 1):
             violations.append(
                 f"{key}: lock {grant.lock_id} in slot {grant.slot},"
-                f" outside its max_holders {grant.max_holders}"
+                f" outside its max_holders {grant.max_holders}{' (shared)' if grant.shared else ''}"
             )
         successor = next_in_slot.get(grant.lock_id)
         if grant.release_reason != "reclaimed" or grant.released_at is None:
@@ -300,10 +314,18 @@ def _semaphore_violations(
                 f"{key}: lock {grant.lock_id} (max_holders {grant.max_holders}) granted at {at}"
                 f" while locks of max_holders {sorted(in_force)} were live: {ids}"
             )
-        if len(live) > min(in_force):
+        modes = {other.shared for other in live.values()}
+        if len(modes) > 1:
+            readers = sorted(other.lock_id for other in live.values() if other.shared)
+            writers = sorted(other.lock_id for other in live.values() if not other.shared)
             violations.append(
-                f"{key}: {len(live)} grants live at once at {at}, more than max_holders"
-                f" {min(in_force)}: locks {ids}"
+                f"{key}: at {at} shared locks {readers} and exclusive locks {writers} were live at once"
+            )
+        room = min(_room(other) for other in live.values())
+        if len(live) > room:
+            violations.append(
+                f"{key}: {len(live)} grants live at once at {at}, more than"
+                f" {'the readers room' if modes == {True} else 'max_holders'} {room}: locks {ids}"
             )
     return violations
 
@@ -320,22 +342,23 @@ class Place:
     until: datetime
     left_at: datetime | None = None
     left_xid: int | None = None
+    shared: bool = False  # a shared acquire's place
 
 
 # The audit of the queue a checked run keeps, in its test database only.
 RECORD_PLACES = """
 CREATE TABLE helix_test_places (
-    op text NOT NULL, seq bigint, organization_id text, job_type text, until timestamptz,
+    op text NOT NULL, seq bigint, organization_id text, job_type text, until timestamptz, shared boolean,
     at timestamptz NOT NULL DEFAULT clock_timestamp(), xid bigint NOT NULL DEFAULT txid_current()
 );
 CREATE FUNCTION helix_test_place_seen() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP = 'DELETE' THEN
-        INSERT INTO helix_test_places (op, seq, organization_id, job_type, until)
-        VALUES ('left', OLD.seq, OLD.organization_id, OLD.job_type, OLD.until);
+        INSERT INTO helix_test_places (op, seq, organization_id, job_type, until, shared)
+        VALUES ('left', OLD.seq, OLD.organization_id, OLD.job_type, OLD.until, OLD.shared);
     ELSE
-        INSERT INTO helix_test_places (op, seq, organization_id, job_type, until)
-        VALUES (lower(TG_OP), NEW.seq, NEW.organization_id, NEW.job_type, NEW.until);
+        INSERT INTO helix_test_places (op, seq, organization_id, job_type, until, shared)
+        VALUES (lower(TG_OP), NEW.seq, NEW.organization_id, NEW.job_type, NEW.until, NEW.shared);
     END IF;
     RETURN NULL;
 END $$;
@@ -356,25 +379,26 @@ def database_places(db_url: str) -> list[Place]:
     with psycopg.connect(db_url) as conn:
         conn.execute("SET DateStyle = ISO")
         rows = conn.execute(
-            "SELECT op, seq, organization_id, job_type, until, at, xid FROM helix_test_places"
-            " WHERE seq IS NOT NULL ORDER BY at, xid"
+            "SELECT op, seq, organization_id, job_type, until, at, xid, coalesce(shared, false)"
+            " FROM helix_test_places WHERE seq IS NOT NULL ORDER BY at, xid"
         ).fetchall()
     places: dict[tuple[int, tuple[str, str]], Place] = {}
-    for op, seq, organization_id, job_type, until, at, xid in rows:
+    for op, seq, organization_id, job_type, until, at, xid, shared in rows:
         key = (int(seq), (str(organization_id), str(job_type)))
         if op == "insert":
-            places[key] = Place(key[0], key[1], at, until)
+            places[key] = Place(key[0], key[1], at, until, shared=shared)
         elif key in places and op == "update":
-            places[key] = Place(key[0], key[1], places[key].taken_at, until)
+            places[key] = Place(key[0], key[1], places[key].taken_at, until, shared=shared)
         elif key in places and op == "left":
-            places[key] = Place(key[0], key[1], places[key].taken_at, places[key].until, at, int(xid))
+            places[key] = Place(key[0], key[1], places[key].taken_at, places[key].until, at, int(xid), shared)
     return list(places.values())
 
 
 def check_queue(
     grants: Sequence[Grant], places: Sequence[Place], slack: timedelta = timedelta(milliseconds=200)
 ) -> list[str]:
-    """Every grant of a plain pair (max_holders 1) made while a place before its own was waiting:
+    """Every grant of a pair of max_holders 1 (plain or shared locks) made while a place before its
+    own was waiting (of a shared grant: a place of an exclusive acquire):
     taken more than `slack` before the grant, left (and its wait over) more than `slack` after it.
     A grant's own place is the one its transaction left; a grant that left none had none, and
     every waiting place comes before it. The slack covers the commit of a place after its clock
@@ -394,6 +418,8 @@ def check_queue(
         for place in queue:
             if place is own or (own is not None and place.seq > own.seq):
                 continue
+            if grant.shared and place.shared:
+                continue  # readers are granted together, past each other's places
             ended = min(place.until, place.left_at or place.until)
             if place.taken_at + slack < at and ended > at + slack:
                 violations.append(

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from harness.history import Grant, Renewed, Told, check
+from harness.history import Grant, Place, Renewed, Told, check, check_queue
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 KEY = ("org", "job")
@@ -205,3 +205,61 @@ def test_a_slot_the_client_was_not_told_is_caught() -> None:
     grants = semaphore()
     told = [replace(told_of(grants)[1], slot=2)]
     assert any(v.startswith("lock 2: the client was told") for v in check(grants, told, [])), told
+
+
+# --- shared locks (issue 40) ----------------------------------------------------------------------
+
+
+def readers_then_writer() -> list[Grant]:
+    """Two readers together (slots 0 and 1), the second's lease lapsed and reclaimed by the writer
+    after the first released: a sound history."""
+    return [
+        Grant(1, KEY, 1, at(0), at(1000), at(500), "released", shared=True),
+        Grant(2, KEY, 2, at(100), at(600), at(700), "reclaimed", slot=1, shared=True),
+        Grant(3, KEY, 3, at(700), at(1700), None, None),
+    ]
+
+
+def test_a_sound_history_of_readers_and_a_writer_passes() -> None:
+    grants = readers_then_writer()
+    assert check(grants, told_of(grants), []) == []
+
+
+def test_a_writer_beside_a_reader_is_caught() -> None:
+    grants = readers_then_writer()
+    grants[2] = replace(grants[2], acquired_at=at(650))  # before the second reader was reclaimed
+    grants[1] = replace(grants[1], released_at=at(800))
+    violations = check(grants, told_of(grants), [])
+    assert any("shared locks [2] and exclusive locks [3] were live at once" in v for v in violations), (
+        violations
+    )
+
+
+def test_a_reader_outside_the_readers_room_or_with_max_holders_is_caught() -> None:
+    grants = [
+        Grant(1, KEY, 1, at(0), at(1000), None, None, slot=1000, shared=True),
+        Grant(2, KEY, 2, at(10), at(1000), None, None, max_holders=2, slot=1, shared=True),
+    ]
+    violations = check(grants, told_of(grants), [])
+    assert sum("outside its max_holders" in v for v in violations) == 2, violations
+
+
+def test_the_queue_checker_finds_a_reader_that_passed_a_waiting_writer() -> None:
+    """Writers first: a reader granted while a writer's place before its own waited is caught; a
+    reader granted past another reader's place is not (readers are granted together)."""
+    second = timedelta(seconds=1)
+    places = [
+        Place(1, KEY, T0, T0 + 60 * second, T0 + 10 * second, 101),  # the writer's, granted lock 3
+        Place(2, KEY, T0 + second, T0 + 60 * second, T0 + 5 * second, 100, shared=True),
+        Place(3, ("org", "r"), T0, T0 + 60 * second, shared=True),  # a reader's, never granted
+    ]
+    grants = [
+        Grant(
+            2, KEY, 2, T0 + 5 * second, T0, T0, "released", acquired_xid=100, shared=True
+        ),  # passed place 1
+        Grant(3, KEY, 3, T0 + 10 * second, T0, T0, "released", acquired_xid=101),
+        Grant(4, ("org", "r"), 1, T0 + 5 * second, T0, None, None, acquired_xid=102, shared=True),
+    ]
+    violations = check_queue(grants, places)
+    assert len(violations) == 1, violations
+    assert "lock 2 of ('org', 'job')" in violations[0] and "passed place 1" in violations[0]
