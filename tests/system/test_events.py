@@ -424,3 +424,27 @@ async def test_a_sessions_renewals_and_lapse_are_events_of_each_of_its_locks(
     assert [kind for kind in of(replay.events, a) if kind in changes] == ["expired", "released"]
     assert [kind for kind in of(replay.events, b) if kind in changes] == ["acquired", "expired", "released"]
     assert [kind for kind in of(replay.events, c) if kind in changes] == ["acquired", "released"]
+
+
+async def test_events_say_each_locks_mode(db_url: str, tmp_path: Path) -> None:
+    """Issue 40: the lock object of an event says its mode, as every answer does."""
+    with replicas(db_url, tmp_path) as [url]:
+        async with httpx.AsyncClient(base_url=url) as http, Watch(url) as watch:
+            body = {"organization_id": "acme", "job_type": "dataset", "holder": "r", "ttl_seconds": 30}
+            readers = [
+                (await http.post("/v1/locks", json=body | {"mode": "shared"})).json() for _ in range(2)
+            ]
+            for reader in readers:
+                await release(http, reader)
+            writer = await acquire(http, job="dataset")
+            await release(http, writer)
+            await watch.until(6, within=10)
+    modes = [(event.type, event.data["lock"]["id"], event.data["lock"]["mode"]) for event in watch.events]
+    assert modes == [
+        ("acquired", readers[0]["id"], "shared"),
+        ("acquired", readers[1]["id"], "shared"),
+        ("released", readers[0]["id"], "shared"),
+        ("released", readers[1]["id"], "shared"),
+        ("acquired", writer["id"], "exclusive"),
+        ("released", writer["id"], "exclusive"),
+    ]
