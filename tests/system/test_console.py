@@ -855,9 +855,9 @@ def test_a_viewer_who_cannot_force_sees_no_action_column_and_one_note_why(
 
         def no_action_column(b: Chrome) -> None:
             heads = [th.text for th in b.find_elements(By.CSS_SELECTOR, "#lock-head th")]
-            assert "Action" not in heads and len(heads) == 9, heads
+            assert "Action" not in heads and len(heads) == 10, heads
             cells = b.execute_script("return document.querySelector('#lock-rows tr').children.length")
-            assert cells == 9, cells
+            assert cells == 10, cells
             assert note.is_displayed() and "needs an admin key" in note.text, note.text
             said = b.execute_script(
                 "return [...document.querySelectorAll('body *')].filter(e => e.children.length === 0"
@@ -1055,7 +1055,8 @@ def test_the_timeline_shows_the_queue_of_its_key_in_order_as_it_moves(
             wait_for(
                 browser,
                 lambda b: (
-                    [row[:3] for row in queue_rows(b)] == [["1", "first-waiter", "1"], ["2", HOSTILE, "1"]]
+                    [row[:4] for row in queue_rows(b)]
+                    == [["1", "first-waiter", "exclusive", "1"], ["2", HOSTILE, "exclusive", "1"]]
                 ),
             )
             assert browser.find_element(By.ID, "queue-heading").text == "Waiting for this key (2)"
@@ -1078,3 +1079,156 @@ def test_the_timeline_shows_the_queue_of_its_key_in_order_as_it_moves(
         assert answers[HOSTILE].status_code == 201, answers[HOSTILE].text
         wait_for(browser, lambda b: queue_rows(b) == [["Nobody is waiting for this key."]])
         assert errors(browser) == []
+
+
+def mode_of(browser: Chrome, holder: str) -> list[str]:
+    """The Mode and Slot / max cells of the live table's row of this holder ([] when it has none)."""
+    cells: list[str] = browser.execute_script(
+        "const row = [...document.querySelectorAll('#lock-rows tr')]"
+        ".find(row => row.querySelector('td.holder')?.textContent === arguments[0]);"
+        "if (!row) return [];"
+        "const heads = [...document.querySelectorAll('#lock-head th')].map(th => th.textContent);"
+        "const cell = (name) => row.children[heads.findIndex(h => h.startsWith(name))].textContent;"
+        "return [cell('Mode'), cell('Slot / max')]",
+        holder,
+    )
+    return cells
+
+
+def lanes(browser: Chrome) -> list[str]:
+    """The timeline's lane labels, top to bottom."""
+    labels: list[str] = browser.execute_script(
+        "return [...document.querySelectorAll('#timeline-chart text.lane-label')].map(t => t.textContent)"
+    )
+    return labels
+
+
+def bars_by_holder(browser: Chrome) -> dict[str, list[Any]]:
+    """Each holder's timeline bars as [lane, mode, the bar's top], read at once (a redraw replaces them)."""
+    found: dict[str, list[Any]] = browser.execute_script(
+        "const bars = {};"
+        "for (const g of document.querySelectorAll('#timeline-chart g.lock[data-lock-id]')) {"
+        "  const holder = /^holder: (.*)$/m.exec(g.querySelector('title').textContent)[1];"
+        "  (bars[holder] = bars[holder] || []).push("
+        "    [g.dataset.lane, g.dataset.mode, Number(g.querySelector('rect.bar').getAttribute('y'))]); }"
+        "return bars"
+    )
+    return found
+
+
+@needs_chromium
+def test_shared_locks_show_their_mode_in_the_table_in_reader_lanes_and_in_the_queue(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    """Two readers hold a pair together: the table says shared beside each (exclusive beside a
+    plain lock), the timeline draws each in a reader lane of its own slot; a writer and then a
+    reader wait, and the queue says each one's mode. Once the readers go, the writer is granted and
+    drawn in the writer lane above the readers'."""
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        readers = [acquire(url, "nightly-report", f"reader-{n}", mode="shared") for n in (1, 2)]
+        assert [(r["mode"], r["slot"]) for r in readers] == [("shared", 0), ("shared", 1)]
+        with psycopg.connect(db_url, autocommit=True) as conn:  # held for a while: bars wide enough to name
+            for lock, seconds in zip(readers, (50, 40), strict=True):
+                conn.execute(
+                    "UPDATE helix_job_locks SET acquired_at = clock_timestamp() - make_interval(secs => %s)"
+                    " WHERE id = %s",
+                    (seconds, lock["id"]),
+                )
+        acquire(url, "export", "plain-worker")
+        answers: dict[str, httpx.Response] = {}
+
+        def wait(holder: str, mode: str) -> None:
+            body = {
+                "organization_id": "acme",
+                "job_type": "nightly-report",
+                "holder": holder,
+                "ttl_seconds": 300,
+                "mode": mode,
+                "wait_seconds": 60,
+            }
+            answers[holder] = httpx.post(f"{url}/v1/locks", json=body, timeout=90)
+
+        def places() -> list[tuple[str, str]]:
+            query = {"organization_id": "acme", "job_type": "nightly-report"}
+            page = httpx.get(f"{url}/v1/locks/queue", params=query, timeout=10).json()
+            return [(place["holder"], place["mode"]) for place in page["items"]]
+
+        def release(lock: dict[str, Any]) -> int:
+            answer = httpx.delete(f"{url}/v1/locks/{lock['id']}", headers={"Lock-Token": lock["token"]})
+            return answer.status_code
+
+        waiters = [
+            threading.Thread(target=wait, args=args)
+            for args in (("writer-1", "exclusive"), ("reader-3", "shared"))
+        ]
+        try:
+            for number, thread in enumerate(waiters, start=1):
+                thread.start()
+                deadline = time.monotonic() + 30
+                while len(places()) < number and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            assert places() == [("writer-1", "exclusive"), ("reader-3", "shared")]  # writers first
+
+            open_console(browser, url)
+            wait_for(browser, lambda b: len(holders(b)) == 3)
+            heads = [th.text for th in browser.find_elements(By.CSS_SELECTOR, "#lock-head th")]
+            assert heads[2:4] == ["Holder", "Mode"], heads
+            assert mode_of(browser, "reader-1") == ["shared", "0"]
+            assert mode_of(browser, "reader-2") == ["shared", "1"]
+            assert mode_of(browser, "plain-worker") == ["exclusive", "0 / 1"]
+            browser.find_element(By.ID, "filter").send_keys("shared")
+            wait_for(browser, lambda b: sorted(holders(b)) == ["reader-1", "reader-2"])
+            browser.execute_script(
+                "const filter = document.getElementById('filter');"
+                "filter.value = ''; filter.dispatchEvent(new Event('input'))"
+            )
+            wait_for(browser, lambda b: len(holders(b)) == 3)
+            browser.find_element(By.ID, "locks").screenshot(str(artifacts / "console-shared-table.png"))
+
+            # Each reader in a lane of its own, by its slot, labelled as a reader.
+            row = f"#lock-rows tr[data-lock-id='{readers[0]['id']}']"
+            click(browser, f"{row} button.key")
+            wait_for(browser, lambda b: len(bars_by_holder(b)) == 2)
+            assert lanes(browser) == ["reader 0", "reader 1"]
+            drawn = bars_by_holder(browser)
+            assert [bar[:2] for bar in drawn["reader-1"]] == [["reader 0", "shared"]], drawn
+            assert [bar[:2] for bar in drawn["reader-2"]] == [["reader 1", "shared"]], drawn
+            assert drawn["reader-1"][0][2] < drawn["reader-2"][0][2], drawn  # two lanes, not one
+            reader = bar(browser, "held")
+            assert reader and "shared (a reader), reader slot " in reader["title"], reader
+
+            # The queue says each place's mode: the writer first, the reader behind it.
+            wait_for(
+                browser,
+                lambda b: (
+                    [row[:4] for row in queue_rows(b)]
+                    == [["1", "writer-1", "exclusive", "1"], ["2", "reader-3", "shared", "1"]]
+                ),
+            )
+            browser.execute_script("document.getElementById('timeline').scrollIntoView()")
+            browser.find_element(By.ID, "timeline").screenshot(str(artifacts / "console-shared-readers.png"))
+
+            # The readers go: the writer is granted, in the writer lane above the readers'.
+            assert [release(lock) for lock in readers] == [204, 204]
+            waiters[0].join(timeout=30)
+            assert answers["writer-1"].status_code == 201, answers["writer-1"].text
+            wait_for(browser, lambda b: "writer-1" in bars_by_holder(b))
+            wait_for(browser, lambda b: lanes(b) == ["writer", "reader 0", "reader 1"])
+            drawn = bars_by_holder(browser)
+            assert [bar[:2] for bar in drawn["writer-1"]] == [["writer", "exclusive"]], drawn
+            assert drawn["writer-1"][0][2] < drawn["reader-1"][0][2] < drawn["reader-2"][0][2], drawn
+            wait_for(browser, lambda b: [row[:3] for row in queue_rows(b)] == [["1", "reader-3", "shared"]])
+            assert mode_of(browser, "writer-1") == ["exclusive", "0 / 1"]
+            at_widths(browser, lambda b: None, artifacts, "console-shared-timeline", "#timeline")
+            browser.find_element(By.ID, "timeline").screenshot(str(artifacts / "console-shared-timeline.png"))
+            assert errors(browser) == []
+        finally:
+            writer = answers.get("writer-1")
+            if writer is not None and writer.status_code == 201:
+                release(writer.json())
+            else:
+                for lock in readers:
+                    release(lock)
+            for thread in waiters:
+                thread.join(timeout=90)
+        assert answers["reader-3"].status_code == 201, answers["reader-3"].text

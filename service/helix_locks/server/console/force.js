@@ -3,7 +3,7 @@
 
 import { Refused, call, problemText } from './api.js';
 import { $, el, setStatus } from './dom.js';
-import { duration } from './format.js';
+import { duration, modeOf } from './format.js';
 import { age, state } from './state.js';
 import { scheduleRender } from './table.js';
 
@@ -12,10 +12,11 @@ export function askForce(id) {
   if (!entry) return;
   const lock = entry.lock;
   state.forceTarget = lock;
+  const slot = modeOf(lock) === 'shared' ? `shared: reader slot ${lock.slot}` : `slot ${lock.slot}`;
   // Each value sits in its own <bdi>, so that a direction mark in it cannot reorder the sentence.
   $('force-text').replaceChildren(
     `Break lock ${lock.id} of `, el('bdi', {}, lock.organization_id), ' / ', el('bdi', {}, lock.job_type),
-    ` (slot ${lock.slot}), held by “`, el('bdi', { class: 'holder' }, lock.holder),
+    ` (${slot}), held by “`, el('bdi', { class: 'holder' }, lock.holder),
     `” for ${duration(age(lock))}? Its holder is not told until its next renewal or release, which `,
     'will answer 410.');
   $('force-error').textContent = '';

@@ -1,4 +1,5 @@
-// How times and metadata read on the page: durations, UTC clock times, metadata as JSON text.
+// How times, modes and metadata read on the page: durations, UTC clock times, a lock's mode,
+// metadata as JSON text.
 
 // A span of time in its two largest units: "42 s", "49 min 26 s", "1 h 5 min", "3 d 2 h". A
 // countdown rounds up (roundUp), so that it reads 0 s only once the time is up.
@@ -36,3 +37,15 @@ const UNBROKEN_MOST = 40;
 export function unbroken(value) {
   return value.length > UNBROKEN_MOST ? ' long' : '';
 }
+
+// A lock's or a queue place's mode: shared (a reader, held beside the pair's other readers) or
+// exclusive (a writer, held alone). A service from before shared locks sends none: exclusive.
+export function modeOf(item) {
+  return item.mode === 'shared' ? 'shared' : 'exclusive';
+}
+
+// What each mode means, for a cell's or a lane's tooltip.
+export const MODE_TITLES = {
+  shared: 'shared: a reader, held beside the other readers of this organization and job type',
+  exclusive: 'exclusive: a writer, held alone (a semaphore: one holder per slot)',
+};

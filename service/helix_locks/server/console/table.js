@@ -4,7 +4,7 @@
 import { renderCharts } from './charts.js';
 import { $, el } from './dom.js';
 import { askForce } from './force.js';
-import { duration, metadataText, unbroken } from './format.js';
+import { MODE_TITLES, duration, metadataText, modeOf, unbroken } from './format.js';
 import { age, awaitingReclaim, state, ttlLeft } from './state.js';
 import { openTimeline } from './timeline.js';
 
@@ -15,6 +15,7 @@ const COLUMNS = [
   { key: 'organization_id', label: 'Organization', value: (e) => e.lock.organization_id },
   { key: 'job_type', label: 'Job type', value: (e) => e.lock.job_type },
   { key: 'holder', label: 'Holder', value: (e) => e.lock.holder },
+  { key: 'mode', label: 'Mode', value: (e) => modeOf(e.lock) },
   { key: 'state', label: 'State', value: (e) => (awaitingReclaim(e) ? 'expired' : e.lock.state) },
   { key: 'slot', label: 'Slot / max', value: (e) => e.lock.slot },
   { key: 'fencing_token', label: 'Fencing token', value: (e) => e.lock.fencing_token },
@@ -72,9 +73,9 @@ function visibleEntries() {
     entries = entries.filter((entry) => {
       const lock = entry.lock;
       if (entry.text === undefined || entry.textOf !== lock) {
-        entry.text = [lock.organization_id, lock.job_type, lock.holder, lock.state, metadataText(lock)]
-          .join('\n')
-          .toLowerCase();
+        entry.text = [
+          lock.organization_id, lock.job_type, lock.holder, modeOf(lock), lock.state, metadataText(lock),
+        ].join('\n').toLowerCase();
         entry.textOf = lock;
       }
       return entry.text.includes(needle) || (needle === 'expired' && awaitingReclaim(entry));
@@ -140,6 +141,12 @@ function row(entry) {
   const stateCell = el('td', { class: 'state' });
   const ttlCell = el('td', { class: 'number ttl' });
   const ageCell = el('td', { class: 'number age' });
+  const mode = modeOf(lock);
+  // A reader's slot is its own among the pair's readers (up to 1000); its max_holders is always 1.
+  const slotCell = mode === 'shared'
+    ? el('td', { class: 'number', title: 'a reader\'s slot: up to 1000 readers hold the key together' },
+      String(lock.slot))
+    : el('td', { class: 'number' }, `${lock.slot} / ${lock.max_holders}`);
   const action = [];
   if (state.canForce) {
     const force = el('button', {
@@ -156,8 +163,9 @@ function row(entry) {
       class: `holder${unbroken(lock.holder)}`,
       ...(lock.session_id ? { title: `in session ${lock.session_id}, whose lease it shares` } : {}),
     }, el('bdi', {}, lock.holder)),
+    el('td', { class: `mode ${mode}`, 'data-mode': mode, title: MODE_TITLES[mode] }, mode),
     stateCell,
-    el('td', { class: 'number' }, `${lock.slot} / ${lock.max_holders}`),
+    slotCell,
     el('td', { class: 'number' }, String(lock.fencing_token)),
     ttlCell,
     ageCell,

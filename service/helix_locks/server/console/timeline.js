@@ -1,9 +1,10 @@
 // The timeline of one key: its history read for a window, drawn as lanes of bars (crashes,
-// forced releases, merged bars for busy pixels), zoomed and panned within the window.
+// forced releases, merged bars for busy pixels; writers' lanes, then readers'), zoomed and panned
+// within the window.
 
 import { LIST_LIMIT, Refused, listAll } from './api.js';
 import { $, el, svgEl } from './dom.js';
-import { duration, metadataText, utc } from './format.js';
+import { duration, metadataText, modeOf, utc } from './format.js';
 import { stopQueue, watchQueue } from './queue.js';
 import { HOUR, forgetOld, serverNow, state } from './state.js';
 
@@ -144,7 +145,9 @@ function lockTitle(lock, kind, gapMs) {
   const lines = [
     `lock ${lock.id}: ${kind}`,
     `holder: ${lock.holder}`,
-    `slot ${lock.slot} of ${lock.max_holders}, fencing token ${lock.fencing_token}`,
+    modeOf(lock) === 'shared'
+      ? `shared (a reader), reader slot ${lock.slot}, fencing token ${lock.fencing_token}`
+      : `exclusive, slot ${lock.slot} of ${lock.max_holders}, fencing token ${lock.fencing_token}`,
     `acquired ${lock.acquired_at}`,
     `expires ${lock.expires_at}`,
   ];
@@ -155,6 +158,28 @@ function lockTitle(lock, kind, gapMs) {
   if (kind === 'expired') lines.push(`lease ran out ${duration(gapMs)} ago: awaiting reclaim`);
   if (lock.metadata !== null && lock.metadata !== undefined) lines.push(`metadata ${metadataText(lock)}`);
   return lines.join('\n');
+}
+
+// The lanes of the locks in view: the exclusive locks' lanes by slot, then the shared locks'
+// lanes by slot, each reader in the lane of its own slot. Beside readers, an exclusive lock's lane
+// is labelled writer (writer 0, writer 1… for a semaphore's); without any, slot 0, slot 1… as
+// ever. Each lane is {mode, slot, label}; laneOf(lock) is the index of a lock's lane.
+function laneLayout(inView) {
+  let writers = 0;
+  let readers = 0;
+  for (const [lock] of inView) {
+    if (modeOf(lock) === 'shared') readers = Math.max(readers, lock.slot + 1);
+    else writers = Math.max(writers, lock.slot + 1);
+  }
+  if (!writers && !readers) writers = 1;
+  const lanes = [];
+  for (let slot = 0; slot < writers; slot++) {
+    const label = !readers ? `slot ${slot}` : writers > 1 ? `writer ${slot}` : 'writer';
+    lanes.push({ mode: 'exclusive', slot, label });
+  }
+  for (let slot = 0; slot < readers; slot++) lanes.push({ mode: 'shared', slot, label: `reader ${slot}` });
+  const laneOf = (lock) => (modeOf(lock) === 'shared' ? writers + lock.slot : lock.slot);
+  return { lanes, laneOf, writers, readers };
 }
 
 function tickStep(span) {
@@ -179,7 +204,8 @@ export function drawTimeline() {
   const inView = locks
     .map((lock) => [lock, lockSpan(lock, now)])
     .filter(([, span]) => (span[2] ?? span[1]) >= t.start && span[0] <= t.end);
-  const lanes = inView.reduce((most, [lock]) => Math.max(most, lock.slot + 1), 1);
+  const { lanes: laneList, laneOf, writers, readers } = laneLayout(inView);
+  const lanes = laneList.length;
   const box = $('timeline-chart');
   const width = Math.max(320, Math.floor(box.clientWidth || 800));
   const left = 60;
@@ -215,10 +241,17 @@ export function drawTimeline() {
     svg.append(svgEl('line', { x1: at, x2: at, y1: top - 4, y2: height - 8, class: 'grid' }));
     svg.append(svgEl('text', { x: at, y: 12, class: 'tick middle' }, utc(time, withDate)));
   }
-  for (let lane = 0; lane < lanes; lane++) {
-    const y = top + lane * laneHeight;
-    svg.append(svgEl('text', { x: 4, y: y + laneHeight / 2 + 4, class: 'lane-label' }, `slot ${lane}`));
+  laneList.forEach((lane, index) => {
+    const y = top + index * laneHeight;
+    svg.append(svgEl('text', {
+      x: 4, y: y + laneHeight / 2 + 4, class: `lane-label ${lane.mode}`, 'data-mode': lane.mode,
+      'data-slot': lane.slot,
+    }, lane.label));
     svg.append(svgEl('line', { x1: left, x2: left + plot, y1: y + laneHeight, y2: y + laneHeight, class: 'lane' }));
+  });
+  if (writers && readers) { // where the writers' lanes end and the readers' begin
+    const y = top + writers * laneHeight;
+    svg.append(svgEl('line', { x1: 0, x2: left + plot, y1: y, y2: y, class: 'lane-divide' }));
   }
   const bars = svgEl('g', { 'clip-path': 'url(#plot)' });
   // Ended locks narrower than a pixel, when several share a pixel of a lane, are drawn as one bar
@@ -230,10 +263,11 @@ export function drawTimeline() {
   for (const [lock, [start, end, gapEnd, kind]] of inView) {
     if (!lock.released_at || x(gapEnd ?? end) - x(start) >= 1) continue;
     const pixel = Math.floor(clamp(x(start)));
-    const name = lock.slot * 100000 + pixel;
+    const lane = laneOf(lock);
+    const name = lane * 100000 + pixel;
     let bucket = merged.get(name);
     if (bucket === undefined) {
-      bucket = { slot: lock.slot, pixel, kind, counts: {}, first: start, last: end, locks: [] };
+      bucket = { lane, pixel, kind, counts: {}, first: start, last: end, locks: [] };
       merged.set(name, bucket);
     }
     bucket.locks.push(lock);
@@ -247,27 +281,29 @@ export function drawTimeline() {
     if (bucket.locks.length === 1) continue; // a lock alone in its pixel is drawn as itself, below
     for (const lock of bucket.locks) drawnMerged.add(lock);
     const counts = Object.entries(bucket.counts).map(([kind, count]) => `${count} ${kind}`).join(', ');
-    const text = `${counts} in slot ${bucket.slot}, from ${new Date(bucket.first).toISOString()} to ` +
+    const text = `${counts} in ${laneList[bucket.lane].label}, from ${new Date(bucket.first).toISOString()} to ` +
       `${new Date(bucket.last).toISOString()}: zoom in for each lock`;
     const group = svgEl('g', {
-      class: `lock merged ${bucket.kind}`, 'data-kind': 'merged', tabindex: 0, role: 'img', 'aria-label': text,
+      class: `lock merged ${bucket.kind}`, 'data-kind': 'merged', 'data-lane': laneList[bucket.lane].label,
+      tabindex: 0, role: 'img', 'aria-label': text,
     });
     group.append(svgEl('title', {}, text));
     group.append(svgEl('rect', {
-      x: bucket.pixel, y: top + bucket.slot * laneHeight + 5, width: 1, height: laneHeight - 10, class: 'bar',
+      x: bucket.pixel, y: top + bucket.lane * laneHeight + 5, width: 1, height: laneHeight - 10, class: 'bar',
     }));
     bars.append(group);
   }
   for (const [lock, [start, end, gapEnd, kind]] of inView) {
     if (drawnMerged.has(lock)) continue;
-    const y = top + lock.slot * laneHeight + 5;
+    const lane = laneOf(lock);
+    const y = top + lane * laneHeight + 5;
     const h = laneHeight - 10;
     const gapMs = gapEnd === null ? 0 : gapEnd - end;
     const title = lockTitle(lock, kind, gapMs);
     // Focusable, and named as its tooltip, so that its facts are reachable by keyboard too.
     const group = svgEl('g', {
-      class: `lock ${kind}`, 'data-kind': kind, 'data-lock-id': lock.id, tabindex: 0, role: 'img',
-      'aria-label': title,
+      class: `lock ${kind}`, 'data-kind': kind, 'data-lock-id': lock.id, 'data-mode': modeOf(lock),
+      'data-lane': laneList[lane].label, tabindex: 0, role: 'img', 'aria-label': title,
     });
     group.append(svgEl('title', {}, title));
     const x0 = clamp(x(start));
