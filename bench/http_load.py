@@ -55,11 +55,14 @@ SEMAPHORE_HOLDERS = 4
 Cycle = Callable[[Connection, Sample], Awaitable[float | None]]
 
 
-def helix_cycle(auth: str, job_type: str, hot: bool = False, max_holders: int = 1) -> Cycle:
+def helix_cycle(
+    auth: str, job_type: str, hot: bool = False, max_holders: int = 1, shared: bool = False
+) -> Cycle:
     """POST /v1/locks, DELETE /v1/locks/{id}; `auth` is the Authorization header line, or "".
 
     `hot`: every client is on this one key, so a 409 is expected: it is timed (in the window) and
-    the acquire is sent again until it is granted. `max_holders` above 1: the key is a semaphore."""
+    the acquire is sent again until it is granted. `max_holders` above 1: the key is a semaphore;
+    `shared`: a reader's lock, held beside the key's other readers."""
     request: dict[str, object] = {
         "organization_id": "bench",
         "job_type": job_type,
@@ -68,6 +71,8 @@ def helix_cycle(auth: str, job_type: str, hot: bool = False, max_holders: int = 
     }
     if max_holders > 1:
         request["max_holders"] = max_holders
+    if shared:
+        request["mode"] = "shared"
     body = json.dumps(request).encode()
 
     async def cycle(conn: Connection, sample: Sample) -> float | None:
@@ -170,13 +175,16 @@ async def cpu_probe(start: float, end: float, sample: Sample) -> None:
 
 def cycles_of(side: str, auth: str, names: list[str]) -> list[Cycle]:
     """The clients' cycles of a side: "helix" or "etcd" (one key each), or "hot" (one key for all),
-    or "semaphore" (one key for all, SEMAPHORE_HOLDERS of them at once)."""
+    or "semaphore" (one key for all, SEMAPHORE_HOLDERS of them at once), or "shared" (one key for
+    all, every client a reader)."""
     if side == "etcd":
         return [etcd_cycle(name) for name in names]
     if side == "hot":
         return [helix_cycle(auth, "hot-key", hot=True) for _ in names]
     if side == "semaphore":
         return [helix_cycle(auth, "semaphore-key", hot=True, max_holders=SEMAPHORE_HOLDERS) for _ in names]
+    if side == "shared":
+        return [helix_cycle(auth, "readers-key", hot=True, shared=True) for _ in names]
     return [helix_cycle(auth, name) for name in names]
 
 

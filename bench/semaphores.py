@@ -12,8 +12,8 @@
    there, on a database of its own migrated by that code; B is this tree. Both are seeded alike.
    The sides take turns, reversed every other round; medians are reported.
 2. Hot keys on B: 32 clients on one key, each acquiring (again after every 409) and releasing at
-   once; first a plain lock, then a semaphore of max_holders 4: grants/s and 409s/s, with the p50
-   and p99 of each.
+   once; first a plain lock, then a semaphore of max_holders 4, then shared locks (every client a
+   reader, issue 40): grants/s and 409s/s, with the p50 and p99 of each.
 
 The database and the cleanup are bench/run.py's.
 """
@@ -121,6 +121,7 @@ def report(
         " 409) then release:",
         hot_line("max_holders 1", hot["plain"], args.duration),
         hot_line(f"max_holders {SEMAPHORE_HOLDERS}", hot["semaphore"], args.duration),
+        hot_line("shared (readers)", hot["shared"], args.duration),
     ]
     return "\n".join(lines)
 
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         setup.append(f"A and B: helix-locks serve --workers {args.workers}, an organization API key")
         rounds = run_rounds(args, sides, {"A": base_db_url, "B": url}, workdir)
         hot: dict[str, Result] = {}
-        for side in ("hot", "semaphore"):
+        for side in ("hot", "semaphore", "shared"):
             log(f"hot key ({side}): {args.warmup} s warm-up + {args.duration} s ...")
             hot["plain" if side == "hot" else side] = run_http(
                 b_url, side, sides["B"][1], args.clients, args.processes, args.warmup, args.duration, False
