@@ -242,7 +242,7 @@ console.log(JSON.stringify({ held, second: grant.fencingToken, after }));
 """
 
 CONSUMER_TYPES = """
-import { LockClient, LockLostError, type Lease, type Lock } from "helix-locks";
+import { LockClient, LockHeldError, LockLostError, type Lease, type Lock, type LockMode } from "helix-locks";
 
 const client: LockClient = new LockClient({ url: "http://127.0.0.1:8080" });
 export async function work(): Promise<number> {
@@ -255,6 +255,13 @@ export async function work(): Promise<number> {
 }
 // @ts-expect-error: ttl is a number of seconds
 client.acquire({ organizationId: "acme", jobType: "typed", ttl: "30" });
+export const reader: Promise<LockMode> = client
+  .acquire({ organizationId: "acme", jobType: "typed", mode: "shared" })
+  .then((grant) => grant.mode)
+  .catch((error: unknown) => (error instanceof LockHeldError ? error.mode : "exclusive"));
+// @ts-expect-error: a lock's mode is exclusive or shared
+client.acquire({ organizationId: "acme", jobType: "typed", mode: "read" });
+client.openSession({ organizationId: "acme", jobTypes: ["a", "b"], shared: ["a"] });
 """
 
 

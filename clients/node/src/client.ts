@@ -26,6 +26,7 @@ import type {
   Lock,
   LockEvent,
   LockKey,
+  LockMode,
   Metadata,
   Page,
   Problem,
@@ -265,6 +266,29 @@ function apiError(answer: Answer): ApiError {
   return new ApiError(answer.status, answer.body as Problem, { requestId, retryAfter });
 }
 
+/**
+ * A session call's locks: each job type, shared if `shared` names it (the default, exclusive, is
+ * not sent). A TypeError for a `shared` that is not a list of job types the call asks for. Job
+ * types that are not a list go as they are: the service says what is wrong with them.
+ */
+function sessionLocks(jobTypes: unknown, shared: unknown): unknown {
+  if (shared !== undefined && !(Array.isArray(shared) && shared.every((name) => typeof name === "string"))) {
+    throw new TypeError(`shared is a list of job types: ${String(shared)}`);
+  }
+  const readers = new Set<string>(shared ?? []);
+  if (!Array.isArray(jobTypes)) {
+    if (readers.size > 0) throw new TypeError("shared names job types, and jobTypes is not a list of them");
+    return jobTypes;
+  }
+  const unknown = [...readers].filter((name) => !jobTypes.includes(name));
+  if (unknown.length > 0) {
+    throw new TypeError(`shared names job types the call does not ask for: ${unknown.sort().join(", ")}`);
+  }
+  return jobTypes.map((jobType) =>
+    readers.has(jobType) ? { job_type: jobType, mode: "shared" } : { job_type: jobType },
+  );
+}
+
 /** An acquired lock: what the service granted, and the token that proves ownership. */
 export class Grant implements LockRef {
   readonly id: number;
@@ -278,6 +302,8 @@ export class Grant implements LockRef {
   /** Of a semaphore: how many may hold the key at once, and which place (from 0) this one holds. */
   readonly maxHolders: number;
   readonly slot: number;
+  /** exclusive, or shared: held beside the key's other shared locks, never beside an exclusive one. */
+  readonly mode: LockMode;
   /** The stale lock this acquire took over, or null. */
   readonly reclaimed: Reclaimed | null;
   /** The lock object the service answered (without the token). */
@@ -297,6 +323,7 @@ export class Grant implements LockRef {
     this.ttl = ttl;
     this.maxHolders = answer.max_holders ?? 1; // absent from a service older than semaphores
     this.slot = answer.slot ?? 0;
+    this.mode = answer.mode ?? "exclusive"; // absent from a service older than modes
     this.reclaimed = reclaimed ?? null;
     this.lock = lock;
     // The grant was made after the request was sent, so a lease counted from the send never ends
@@ -507,6 +534,11 @@ export class Lease extends Held<Grant, Lock> {
     return this.grant.maxHolders;
   }
 
+  /** exclusive, or shared (a reader, held beside the key's other readers). */
+  get mode(): LockMode {
+    return this.grant.mode;
+  }
+
   /** The latest lock object the service answered: at the grant, or at the latest renewal or update. */
   get lock(): Lock {
     return this.answer;
@@ -652,7 +684,8 @@ export class LockClient {
    * Hold all the locks of `jobTypes` while `fn` runs, in one session: opened with all of them
    * granted at once or none (LockHeldError, whose `jobType` names the first pair held; with
    * `wait`, it waits until all are free), renewed every ttl/3 with one request for all of them,
-   * and ended (every lock released) when `fn` settles, unless lost. Settles as withLock does.
+   * and ended (every lock released) when `fn` settles, unless lost. Settles as withLock does. The
+   * job types named in `shared` are held as shared locks (readers), the others as exclusive ones.
    */
   async withSession<T>(options: SessionOptions, fn: (session: SessionLease) => T | Promise<T>): Promise<T> {
     if (typeof fn !== "function") throw new TypeError("withSession needs a function to run while holding the locks");
@@ -734,9 +767,12 @@ export class LockClient {
    * seconds (in rounds of at most 60). Every attempt carries one Idempotency-Key, so that a retry
    * after a lost answer or a 503 (honouring Retry-After, for at most half the lease) gets the same
    * grant. MaxHoldersMismatchError at once when the key's held locks share another `maxHolders`.
+   * `mode: "shared"`: a reader, held beside the key's other readers (each with a lease of its own)
+   * and never beside an exclusive lock, which waits for every reader; a reader waits behind a
+   * waiting writer (LockHeldError `waiters-ahead` without `wait`).
    */
   async acquire(options: AcquireOptions): Promise<Grant> {
-    const { organizationId, jobType, holder, metadata } = options;
+    const { organizationId, jobType, holder, metadata, mode } = options;
     const ttl = options.ttl ?? 30;
     const maxHolders = options.maxHolders ?? 1;
     const body: Record<string, unknown> = {
@@ -747,6 +783,7 @@ export class LockClient {
     };
     if (metadata !== undefined) body.metadata = metadata;
     if (maxHolders !== 1) body.max_holders = maxHolders; // an older service gets the same body
+    if (mode !== undefined && mode !== "exclusive") body.mode = mode; // likewise: the default is not sent
     const { answer, started } = await this.#granted("/v1/locks", body, ttl, options.wait ?? 0, options.signal);
     return new Grant(answer as Acquired, ttl, started);
   }
@@ -754,7 +791,8 @@ export class LockClient {
   /**
    * Open a session holding the locks of `jobTypes`, all granted at once or none (LockHeldError
    * names the first pair held as `jobType`); with `wait`, wait until all are free. The grant's id
-   * and token are the session's: renew it with renewSession, end it with endSession.
+   * and token are the session's: renew it with renewSession, end it with endSession. The job types
+   * named in `shared` are taken as shared locks (readers), the others as exclusive ones.
    */
   async openSession(options: SessionOptions): Promise<SessionGrant> {
     const { organizationId, jobTypes, holder, metadata } = options;
@@ -763,7 +801,7 @@ export class LockClient {
       organization_id: organizationId,
       holder: holder ?? defaultHolder(),
       ttl_seconds: ttl,
-      locks: Array.isArray(jobTypes) ? jobTypes.map((jobType) => ({ job_type: jobType })) : jobTypes,
+      locks: sessionLocks(jobTypes, options.shared),
     };
     if (metadata !== undefined) body.metadata = metadata;
     const { answer, started } = await this.#granted("/v1/sessions", body, ttl, options.wait ?? 0, options.signal);
@@ -775,16 +813,15 @@ export class LockClient {
    * withSession), all granted at once or none (LockHeldError names the first pair held as
    * `jobType`); with `wait`, wait until all are free. They share the session's lease, and the
    * grant lists them in `locks` and `fencingTokens` from then on. A retry after a lost answer
-   * gets the same locks (one Idempotency-Key for every attempt).
+   * gets the same locks (one Idempotency-Key for every attempt). The job types named in `shared`
+   * are taken as shared locks (readers).
    */
   async addSessionLocks(
     session: SessionGrant | SessionLease,
-    options: { jobTypes: string[]; wait?: number; signal?: AbortSignal },
+    options: { jobTypes: string[]; shared?: string[]; wait?: number; signal?: AbortSignal },
   ): Promise<Lock[]> {
     const grant = session instanceof SessionLease ? session.grant : session;
-    const body: Record<string, unknown> = {
-      locks: Array.isArray(options.jobTypes) ? options.jobTypes.map((jobType) => ({ job_type: jobType })) : options.jobTypes,
-    };
+    const body: Record<string, unknown> = { locks: sessionLocks(options.jobTypes, options.shared) };
     const { answer } = await this.#granted(`/v1/sessions/${grant.id}/locks`, body, 20, options.wait ?? 0, options.signal, {
       "lock-token": grant.token,
     });

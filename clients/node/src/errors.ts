@@ -1,7 +1,7 @@
 // The client's errors. Every error it throws is a HelixLocksError; match on the class, never on
 // the message.
 
-import type { Holder, Problem } from "./types.js";
+import type { Holder, LockMode, Problem } from "./types.js";
 
 /** The base of every error this client throws. */
 export class HelixLocksError extends Error {
@@ -50,7 +50,8 @@ export class ApiError extends HelixLocksError {
  * Another holder has the lock (409 `lock-held`); of a semaphore, live locks hold every slot.
  * `lockId`, `holder` and `expiresAt` name the held lock whose lease runs out first; `holders`
  * lists at most 20 held locks, those whose leases run out first, and `holdersTotal` counts them
- * all; `retryAfter` is the seconds until that first lease ends (at least 1).
+ * all; `retryAfter` is the seconds until that first lease ends (at least 1); `mode` is the held
+ * locks' (exclusive, or shared: readers, which an exclusive acquire waits for).
  */
 export class LockHeldError extends ApiError {
   override name = "LockHeldError";
@@ -60,6 +61,9 @@ export class LockHeldError extends ApiError {
   readonly maxHolders: number;
   readonly holders: Holder[];
   readonly holdersTotal: number;
+  /** The mode of the held locks it met: `shared` when readers hold the key. `exclusive` when the
+   * body does not say (a service older than modes, a `waiters-ahead`). */
+  readonly mode: LockMode;
   /** Of a session's locks, all refused: the job type of the first (in job type order) held. */
   readonly jobType: string | null;
   /** 409 `waiters-ahead`: acquires wait in the key's queue and come first; how many (else null). */
@@ -83,6 +87,10 @@ export class LockHeldError extends ApiError {
     }
     // A service older than 0021 lists every holder, and does not count them.
     this.holdersTotal = typeof problem.holders_total === "number" ? problem.holders_total : this.holders.length;
+    this.mode = problem.mode === "shared" ? "shared" : "exclusive";
+    if (this.mode === "shared") {
+      this.message = `held by ${this.holdersTotal} shared lock(s), the first until ${String(problem.expires_at)}`;
+    }
     this.jobType = typeof problem.job_type === "string" ? problem.job_type : null;
     this.waiting = typeof problem.waiting === "number" ? problem.waiting : null;
     if (this.waiting !== null) this.message = `${this.waiting} acquires wait in the queue, and come first`;

@@ -30,6 +30,7 @@ export type {
   Lock,
   LockEvent,
   LockKey,
+  LockMode,
   LockState,
   Metadata,
   Page,

@@ -11,6 +11,10 @@ export type Metadata = { [key: string]: Json } | null;
  * force); `reclaimed`: taken over by a later grant. */
 export type LockState = "held" | "expired" | "released" | "reclaimed";
 
+/** `exclusive`: no other lock of the key is held beside it; `shared`: a reader, held beside the
+ * key's other shared locks (up to 1000, each with a lease of its own), never beside an exclusive one. */
+export type LockMode = "exclusive" | "shared";
+
 /** The lock object every endpoint that returns a lock returns (never with its token). */
 export interface Lock {
   id: number;
@@ -35,6 +39,8 @@ export interface Lock {
   forced_by?: string | null;
   /** The session it belongs to, whose token and lease it shares; null for a lock on its own (absent from older services). */
   session_id?: number | null;
+  /** exclusive, or shared (a reader, held beside the key's other readers); absent from a service older than modes. */
+  mode?: LockMode;
 }
 
 /** A session: one lease that its locks share. */
@@ -118,7 +124,8 @@ export interface Page {
 /** One place in a key's queue (GET /v1/locks/queue): a waiting acquire. */
 export interface Place {
   holder: string;
-  mode: "exclusive";
+  /** The lock the place waits for; a run of shared places is granted together. */
+  mode: LockMode;
   max_holders: number;
   /** When the place was taken (the queue's order), and when it leaves at the latest. */
   waiting_since: string;
@@ -147,6 +154,10 @@ export interface AcquireOptions extends LockKey {
   wait?: number;
   /** A semaphore: up to this many hold the key at once, each in a slot of its own (1 to 1000). Default 1. */
   maxHolders?: number;
+  /** `shared`: a reader, held beside the key's other readers and never beside an exclusive lock,
+   * which waits for every reader; a new reader waits behind a waiting writer. Not with `maxHolders`.
+   * Default `exclusive`. */
+  mode?: LockMode;
   /** Who holds it, for humans. Default user@host:pid. */
   holder?: string;
   /** The lock's metadata at grant. */
@@ -159,6 +170,8 @@ export interface SessionOptions {
   organizationId: string;
   /** The job types whose locks the session holds: 0 to 32, distinct, all granted at once or none. */
   jobTypes: string[];
+  /** The job types of `jobTypes` taken as shared locks (readers); the others are exclusive. Default none. */
+  shared?: string[];
   /** The session's lease in seconds (1 to 86400), every lock's; renewed every ttl/3 by withSession. Default 30. */
   ttl?: number;
   /** Seconds to wait until all of them are free at once (none is held meanwhile). Default 0. */

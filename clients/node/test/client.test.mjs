@@ -184,6 +184,122 @@ test("a semaphore of two: two withLock at once get slots 0 and 1, a third is tol
   await locks.release(held);
 });
 
+test("shared locks: two readers hold the key together, a writer is told so, and readers queue behind a waiting writer", async () => {
+  const locks = client();
+  const job = jobType("shared");
+  const key = { organizationId: ORG, jobType: job };
+  const first = await locks.acquire({ ...key, ttl: 30, mode: "shared", holder: "reader-1" });
+  const second = await locks.acquire({ ...key, ttl: 30, mode: "shared", holder: "reader-2" });
+  for (const reader of [first, second]) {
+    assert.equal(reader.mode, "shared");
+    assert.equal(reader.lock.mode, "shared");
+    assert.equal(reader.maxHolders, 1);
+  }
+  assert.notEqual(first.id, second.id);
+  assert.notEqual(first.token, second.token, "each reader has a lock of its own");
+  assert.ok(second.fencingToken > first.fencingToken);
+  assert.equal((await locks.get(first.id)).mode, "shared");
+  assert.equal((await locks.renew(second, { ttl: 40 })).mode, "shared");
+  // A third reader, through withLock: held beside the other two.
+  const third = await locks.withLock({ ...key, ttl: 5, mode: "shared" }, (lease) => [lease.mode, lease.lock.mode]);
+  assert.deepEqual(third, ["shared", "shared"]);
+
+  // A writer meets the readers: LockHeldError with their mode, and both of them.
+  const writer = await rejection(locks.acquire({ ...key, ttl: 30, holder: "writer" }));
+  assert.ok(writer instanceof LockHeldError && writer.kind === "lock-held", String(writer));
+  assert.equal(writer.mode, "shared");
+  assert.equal(writer.holdersTotal, 2);
+  assert.deepEqual(writer.holders.map((h) => h.holder).sort(), ["reader-1", "reader-2"]);
+  assert.equal(writer.lockId, first.id, "the lease that ends first");
+  // A reader never has more than one holder per lock: a semaphore of readers is bad input.
+  const semaphore = await rejection(locks.acquire({ ...key, mode: "shared", maxHolders: 2 }));
+  assert.ok(semaphore instanceof ApiError && semaphore.status === 422, String(semaphore));
+  assert.ok(semaphore.errors.some((e) => e.field === "mode"), JSON.stringify(semaphore.errors));
+
+  // Writers first: while a writer waits, a new reader does not pass it.
+  const waitingWriter = locks.acquire({ ...key, ttl: 30, holder: "writer", wait: 30 });
+  for (let tries = 0; (await locks.queue(key)).items.length === 0; tries++) {
+    assert.ok(tries < 1000, "the writer never took its place");
+    await sleep(20);
+  }
+  const late = await rejection(locks.acquire({ ...key, ttl: 30, mode: "shared" }));
+  assert.ok(late instanceof LockHeldError && late.kind === "waiters-ahead", String(late));
+  const lateReader = locks.acquire({ ...key, ttl: 30, mode: "shared", holder: "late-reader", wait: 30 });
+  for (let tries = 0; (await locks.queue(key)).items.length < 2; tries++) {
+    assert.ok(tries < 1000, "the late reader never took its place");
+    await sleep(20);
+  }
+  const places = (await locks.queue(key)).items;
+  assert.deepEqual(places.map((place) => [place.holder, place.position, place.mode]), [
+    ["writer", 1, "exclusive"],
+    ["late-reader", 2, "shared"],
+  ]);
+  await locks.release(first);
+  await locks.release(second);
+  const written = await within(waitingWriter, 20_000, "the writer, once the readers were gone");
+  assert.equal(written.mode, "exclusive");
+  assert.equal(written.lock.mode, "exclusive");
+  assert.equal((await locks.current(key)).mode, "exclusive");
+  await locks.release(written);
+  const read = await within(lateReader, 20_000, "the late reader, once the writer was done");
+  assert.equal(read.mode, "shared");
+  assert.ok(read.fencingToken > written.fencingToken);
+  await locks.release(read);
+  assert.equal(await locks.current(key), null);
+});
+
+test("a session holds the job types named in shared as shared locks, and the others exclusive", async () => {
+  const locks = client();
+  const dataset = jobType("dataset");
+  const log = jobType("log");
+  const index = jobType("index");
+  const reader = await locks.acquire({ organizationId: ORG, jobType: dataset, ttl: 30, mode: "shared" });
+  // shared names only job types the call asks for: a TypeError, before any request.
+  const stray = await rejection(locks.openSession({ organizationId: ORG, jobTypes: [log], shared: [dataset] }));
+  assert.ok(stray instanceof TypeError, String(stray));
+  const seen = await locks.withSession(
+    { organizationId: ORG, jobTypes: [dataset, log], shared: [dataset], ttl: 10, holder: "session" },
+    async (session) => {
+      assert.equal(session.locks[dataset].mode, "shared");
+      assert.equal(session.locks[log].mode, "exclusive");
+      assert.deepEqual(
+        session.session.locks.map((lock) => [lock.job_type, lock.mode]).sort(),
+        [
+          [dataset, "shared"],
+          [log, "exclusive"],
+        ].sort(),
+      );
+      // Beside the reader from before, and beside another one.
+      const another = await locks.acquire({ organizationId: ORG, jobType: dataset, ttl: 30, mode: "shared" });
+      assert.equal(another.mode, "shared");
+      await locks.release(another);
+      const writer = await rejection(locks.acquire({ organizationId: ORG, jobType: dataset }));
+      assert.ok(writer instanceof LockHeldError, String(writer));
+      assert.equal(writer.mode, "shared");
+      assert.equal(writer.holdersTotal, 2, "the reader and the session's lock");
+      const logged = await rejection(locks.acquire({ organizationId: ORG, jobType: log, mode: "shared" }));
+      assert.ok(logged instanceof LockHeldError, String(logged));
+      assert.equal(logged.mode, "exclusive");
+      // Another session that wants the dataset exclusively: told the readers' mode and the pair.
+      const rival = await rejection(locks.openSession({ organizationId: ORG, jobTypes: [dataset] }));
+      assert.ok(rival instanceof LockHeldError, String(rival));
+      assert.equal(rival.mode, "shared");
+      assert.equal(rival.jobType, dataset);
+      const added = await locks.addSessionLocks(session, { jobTypes: [index], shared: [index] });
+      assert.deepEqual(
+        added.map((lock) => [lock.job_type, lock.mode]),
+        [[index, "shared"]],
+      );
+      assert.equal(session.locks[index].mode, "shared");
+      return (await locks.getSession(session.id)).locks.map((lock) => lock.mode).sort();
+    },
+  );
+  assert.deepEqual(seen, ["exclusive", "shared", "shared"]);
+  for (const job of [log, index]) assert.equal(await locks.current({ organizationId: ORG, jobType: job }), null);
+  assert.equal((await locks.current({ organizationId: ORG, jobType: dataset })).id, reader.id, "the reader stays");
+  await locks.release(reader);
+});
+
 test("bad input gets typed errors with the problem's fields, never an unhandled rejection", async () => {
   const unhandled = [];
   const onUnhandled = (reason) => unhandled.push(reason);
