@@ -157,7 +157,9 @@ class LockHeld(HelixError):
         self.holder: str | None = problem.get("holder")
         self.expires_at: str | None = problem.get("expires_at")
         self.max_holders: int = problem.get("max_holders") or 1
-        self.mode: str = problem.get("mode") or "exclusive"  # absent from a service older than modes
+        # The held locks' mode; "exclusive" where the body names none (a service older than modes,
+        # or a waiters-ahead of a key nobody holds).
+        self.mode: str = problem.get("mode") or "exclusive"
         holders = problem.get("holders")
         if holders is None and self.lock_id is not None:  # an older service names the one holder
             holders = [

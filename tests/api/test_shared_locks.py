@@ -233,3 +233,24 @@ async def test_a_sessions_locks_take_a_mode_each(client: httpx.AsyncClient) -> N
         headers={"Lock-Token": session["token"]},
     )
     assert added.status_code == 201 and added.json()["locks"][0]["mode"] == "shared"
+
+
+async def test_dead_readers_do_not_hold_the_quota_once_another_reader_comes(db_url: str, conn: Conn) -> None:
+    """An adversary's finding (fixed by migration 0032): readers that stopped renewing stayed live
+    locks against the quota until a writer came, and the organization got 429 for every key."""
+    app = create_app(ROUTE.settings(db_url, allow_anonymous=True, max_live_locks_per_organization=3))
+    async with in_process(app) as client:
+        dead = [await acquire(client, holder=f"r{n}", mode="shared") for n in range(3)]
+        assert_problem(await client.post("/v1/locks", json=lock_body(job_type="other")), 429)
+        for reader in dead:
+            expire(conn, reader["id"])
+        fresh = await acquire(client, holder="fresh", mode="shared")
+        assert fresh["reclaimed"]["lock_id"] in {r["id"] for r in dead}
+        assert [lock["id"] for lock in await live(client)] == [fresh["id"]], "every dead reader reclaimed"
+        # The quota remembers its last refusal a tenth of a second (guarantees.md): asked again
+        # until then, the room the reclaims freed is granted.
+        deadline = time.monotonic() + 10
+        while (other := await client.post("/v1/locks", json=lock_body(job_type="other"))).status_code == 429:
+            assert time.monotonic() < deadline, other.text
+            await asyncio.sleep(0.05)
+        assert other.status_code == 201, other.text

@@ -138,6 +138,87 @@ def test_expired_locks_of_the_other_mode_are_reclaimed_by_the_grant(conn: Conn) 
     assert row.fetchone() == (False, "reclaimed")
 
 
+def test_a_readers_grant_reclaims_every_expired_reader_so_dead_readers_do_not_pile_up(conn: Conn) -> None:
+    """Migration 0032: before it, an expired reader stayed (a live lock against the quota) until a
+    writer came or all 1000 slots had rows; a reader's grant now reclaims every expired lock."""
+    readers = [acquire(conn, f"r{n}", "shared") for n in range(5)]
+    for reader in readers[:3]:
+        lapse(conn, reader)
+    fresh = acquire(conn, "fresh", "shared")
+    ended = conn.execute("SELECT id FROM helix_lock_history WHERE release_reason = 'reclaimed' ORDER BY id")
+    assert [row[0] for row in ended.fetchall()] == [r["id"] for r in readers[:3]]
+    live = conn.execute("SELECT id FROM helix_holds ORDER BY id").fetchall()
+    assert [row[0] for row in live] == [r["id"] for r in readers[3:]] + [fresh["id"]]
+    assert fresh["slot"] == 0, "the lowest slot the reclaims freed"
+
+
+def test_a_semaphores_acquire_that_meets_readers_is_told_lock_held_not_a_mismatch(conn: Conn) -> None:
+    acquire(conn, "r0", "shared")
+    detail = refusal(conn, "wide", max_holders=5)
+    assert detail["mode"] == "shared" and detail.get("max_holders_in_force") is None, detail
+    acquire(conn, "r1", "shared")  # and readers go on
+
+
+def test_a_repeat_naming_the_other_mode_is_refused_even_as_the_first_lease_runs_out(
+    db_url: str, conn: Conn
+) -> None:
+    """An adversary's finding (fixed by 0032): the repeat claimed the reader's grant while its lease
+    ran, and the check that followed looked only at leases still running, by then over: the
+    reader's lock was answered as an exclusive one. The test holds the repeat up past the lease's
+    end right after its claim (an AFTER trigger of its own database sleeps once the claim's
+    statement is done), which the check must not mind; on 0031's check the repeat is answered."""
+    conn.execute(
+        "CREATE FUNCTION test_slow_claim() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$ BEGIN PERFORM pg_sleep(0.6); RETURN NEW; END $$;"
+        " CREATE TRIGGER test_slow_claim AFTER UPDATE OF replayed ON helix_holds FOR EACH ROW"
+        " WHEN (NEW.replayed AND NOT OLD.replayed) EXECUTE FUNCTION test_slow_claim()"
+    )
+    params: dict[str, Any] = {
+        "holder": "w",
+        "key": "k",
+        "mode": "shared",
+    }
+    call = (
+        "SELECT id FROM helix_acquire_job_lock_within_quota('acme', 'report', %(holder)s, %(ttl)s, NULL,"
+        " %(key)s, 100, 1, NULL, %(mode)s)"
+    )
+    first = conn.execute(call, {**params, "ttl": 1000}).fetchone()
+    assert first is not None
+    # Its lease ends 0.3 s from now: the repeat claims it before, and is checked after.
+    conn.execute(
+        "UPDATE helix_holds SET expires_at = clock_timestamp() + interval '300 milliseconds' WHERE id = %s",
+        (first[0],),
+    )
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as refused:
+        conn.execute(call, {**params, "ttl": 30_000, "mode": "exclusive"})
+    assert refused.value.diag.column_name == "mode"
+    assert conn.execute("SELECT id, shared FROM helix_holds").fetchall() == [(first[0], True)]
+
+
+def test_a_retry_of_the_other_mode_does_not_take_over_the_place_of_the_try_it_repeats(conn: Conn) -> None:
+    """An adversary's finding (fixed by 0032): a writer's retry with the key of a reader's waiting
+    try took over that reader's place, which later readers then passed."""
+    acquire(conn, "holder", "shared")
+    reader_place = conn.execute(
+        "SELECT helix_take_places('acme', ARRAY['report'], 'h', ARRAY[1], 30, %s, 'one', 'k', ARRAY[true])",
+        (REPLICA,),
+    ).fetchone()
+    writer_place = conn.execute(
+        "SELECT helix_take_places('acme', ARRAY['report'], 'h', ARRAY[1], 30, %s, 'two', 'k', ARRAY[false])",
+        (REPLICA,),
+    ).fetchone()
+    assert reader_place is not None and writer_place is not None
+    assert writer_place[0] > reader_place[0], "a place of its own, at the end"
+    same = conn.execute(
+        "SELECT helix_take_places('acme', ARRAY['report'], 'h', ARRAY[1], 30, %s, 'three', 'k',"
+        " ARRAY[false])",
+        (REPLICA,),
+    ).fetchone()
+    assert same == writer_place, "a retry of the same mode takes its place over, as before"
+    modes = conn.execute("SELECT seq, shared FROM helix_lock_waiters ORDER BY seq").fetchall()
+    assert modes == [(reader_place[0], True), (writer_place[0], False)]
+
+
 def test_a_waiting_writer_goes_before_readers_that_come_after_it(conn: Conn) -> None:
     """Writers first: while an exclusive acquire has a place, a new shared one without a place,
     or with a later place, does not pass it, though the readers' locks have room."""

@@ -37,7 +37,7 @@ BUILDS = {
     "57528db": "before the lean data model (issue 37)",
     # Migrations 0001 to 0027: the upgrade applies 0028 (a session's lease in its row) while it serves.
     "c1948e5": "before a session's renewal wrote one row (issue 38)",
-    # Migrations 0001 to 0030: the upgrade applies 0031 (the mode through the API) while it serves.
+    # Migrations 0001 to 0030: the upgrade applies 0031 and 0032 (the mode through the API) while it serves.
     "2f9d640": "before shared locks reached the API (issue 40)",
 }
 

@@ -69,6 +69,7 @@ def _lock_held(exc: psycopg.Error) -> LockError:
             job_type=detail.get("job_type"),
             waiting=int(detail["waiting"]),
             ahead=int(detail.get("ahead") or 0),
+            mode=detail.get("mode"),  # of a held pair (0032)
         )
     holders = [
         Holder(h["lock_id"], h["holder"], h["slot"], datetime.fromisoformat(h["expires_at"]))

@@ -234,7 +234,8 @@ KINDS: Mapping[type[LockError], Kind] = {
         "Acquires waiting in this organization and job type's queue come first (first come, first"
         " served): an acquire that does not wait does not pass them. waiting counts them; while the"
         " key is held, lock_id, holder and expires_at name the lease that ends first, which"
-        " Retry-After counts down to (else 1). Try again then, or wait (wait_seconds) to take a place.",
+        " Retry-After counts down to (else 1), and mode the held locks' mode. Try again then, or wait"
+        " (wait_seconds) to take a place.",
         WaitersAhead(None, None, None, 1, waiting=3, ahead=3),
         lambda exc: f"{exc.waiting} acquires wait for this organization and job type, and come first.",
         headers=lambda exc: {"Retry-After": str(exc.retry_after_seconds)},
@@ -243,7 +244,12 @@ KINDS: Mapping[type[LockError], Kind] = {
             **(
                 {}
                 if exc.lock_id is None
-                else {"lock_id": exc.lock_id, "holder": exc.holder, "expires_at": exc.expires_at}
+                else {
+                    "lock_id": exc.lock_id,
+                    "holder": exc.holder,
+                    "expires_at": exc.expires_at,
+                    **({"mode": exc.mode} if exc.mode else {}),
+                }
             ),
             **_pair(exc.job_type),
         },

@@ -247,13 +247,19 @@ FROM helix_acquire_job_lock_within_quota(
 
 # Whether an acquire of one key would add no live lock: every slot has a live lock (the acquire
 # reclaims one, or is refused), or one of another max_holders does (migration 0017) or of another
-# mode (0030: a reader has up to 1000 slots), or it repeats a grant still live (migration 0018).
+# mode (0030: a reader has up to 1000 slots), or it repeats a grant still live (migration 0018),
+# or, of a reader, a lock of the pair has expired (0032: a reader's grant reclaims every one).
 ADDS_NO_LIVE_LOCK = """
 SELECT count(*) >= CASE WHEN %(mode)s = 'shared' THEN 1000 ELSE %(max_holders)s END
        OR coalesce(bool_or(max_holders <> %(max_holders)s OR shared <> (%(mode)s = 'shared')
                            OR idempotency_key = %(idempotency_key)s AND holder = %(holder)s
-                              AND expires_at > clock_timestamp()), false) AS adds_none
-FROM helix_holds
+                              AND expires_at > clock_timestamp()
+                           OR %(mode)s = 'shared' AND lease_ends <= clock_timestamp()), false) AS adds_none
+FROM helix_holds AS h
+CROSS JOIN LATERAL (
+    SELECT coalesce((SELECT s.expires_at FROM helix_sessions AS s WHERE s.id = h.session_id), h.expires_at)
+        AS lease_ends
+) AS l
 WHERE organization_id = %(organization_id)s AND job_type = %(job_type)s
 """
 

@@ -580,8 +580,8 @@ class Problem(BaseModel):
     )
     mode: Mode | None = Field(
         default=None,
-        description="409 lock-held only: the mode of the held locks it met (a pair's live locks share"
-        " one mode): exclusive, or shared (readers, which a writer waits for).",
+        description="409 lock-held, and waiters-ahead of a held key: the mode of the held locks it met (a"
+        " pair's live locks share one mode): exclusive, or shared (readers, which a writer waits for).",
         examples=["exclusive"],
     )
     max_holders: int | None = Field(
