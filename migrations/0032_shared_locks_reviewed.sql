@@ -14,6 +14,7 @@
 --   a reader's place, which readers pass.
 -- - A semaphore's acquire that meets readers is a conflict (lock-held, mode shared), not a
 --   max-holders-mismatch asking for max_holders 1; waiters-ahead names the held locks' mode too.
+-- - The quota's two ways call that check only for an acquire with an Idempotency-Key.
 
 CREATE OR REPLACE FUNCTION helix_refuse_replay_of_another_mode(p_organization_id text, p_job_type text, p_holder text, p_idempotency_key text, p_mode text)
  RETURNS void
@@ -36,6 +37,30 @@ BEGIN
     END IF;
 END $function$;
 COMMENT ON FUNCTION helix_refuse_replay_of_another_mode(text,text,text,text,text) IS 'After an acquire with an Idempotency-Key: 22023 (column mode) when the lock of that key and holder that this transaction wrote (a repeat claims its grant so) is of another mode than p_mode: the acquire repeated a call that asked the other mode (0031; judged by the row written, not by its lease, since 0032).';
+
+CREATE OR REPLACE FUNCTION helix_acquire_job_lock_on_share(p_organization_id text, p_job_type text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text, p_max_holders integer, p_share bigint, p_place bigint DEFAULT NULL::bigint, p_mode text DEFAULT 'exclusive')
+ RETURNS TABLE(id bigint, organization_id text, job_type text, holder text, fencing_token bigint, acquired_at timestamp with time zone, expires_at timestamp with time zone, released_at timestamp with time zone, release_reason text, state text, ttl_remaining_ms bigint, metadata jsonb, max_holders integer, slot integer, token text, reclaimed_lock_id bigint, reclaimed_holder text, reclaimed_expired_at timestamp with time zone)
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path FROM CURRENT
+AS $function$
+#variable_conflict use_column
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(helix_quota_share_class(p_share), helix_quota_share_key(p_share));
+    IF NOT EXISTS (
+        SELECT FROM helix_quota_shares AS s
+        WHERE s.id = p_share AND s.organization_id = p_organization_id AND s.until > clock_timestamp()
+    ) THEN
+        RAISE EXCEPTION 'the share % of organization %''s quota has ended', p_share, p_organization_id
+            USING ERRCODE = 'HL005';
+    END IF;
+    RETURN QUERY SELECT * FROM helix_acquire_job_lock(
+        p_organization_id, p_job_type, p_holder, p_ttl_ms, p_metadata, p_idempotency_key, p_max_holders, p_place, p_mode
+    );
+    IF p_idempotency_key IS NOT NULL THEN  -- no call at all for an acquire without a key (0032)
+        PERFORM helix_refuse_replay_of_another_mode(p_organization_id, p_job_type, p_holder, p_idempotency_key, p_mode);
+    END IF;
+END $function$;
 
 CREATE OR REPLACE FUNCTION helix_acquire_job_lock_within_quota(p_organization_id text, p_job_type text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text, p_quota integer, p_max_holders integer DEFAULT 1, p_place bigint DEFAULT NULL::bigint, p_mode text DEFAULT 'exclusive')
  RETURNS TABLE(id bigint, organization_id text, job_type text, holder text, fencing_token bigint, acquired_at timestamp with time zone, expires_at timestamp with time zone, released_at timestamp with time zone, release_reason text, state text, ttl_remaining_ms bigint, metadata jsonb, max_holders integer, slot integer, token text, reclaimed_lock_id bigint, reclaimed_holder text, reclaimed_expired_at timestamp with time zone)
@@ -97,7 +122,9 @@ BEGIN
     RETURN QUERY SELECT * FROM helix_acquire_job_lock(
         p_organization_id, p_job_type, p_holder, p_ttl_ms, p_metadata, p_idempotency_key, p_max_holders, p_place, p_mode
     );
-    PERFORM helix_refuse_replay_of_another_mode(p_organization_id, p_job_type, p_holder, p_idempotency_key, p_mode);
+    IF p_idempotency_key IS NOT NULL THEN  -- no call at all for an acquire without a key (0032)
+        PERFORM helix_refuse_replay_of_another_mode(p_organization_id, p_job_type, p_holder, p_idempotency_key, p_mode);
+    END IF;
     -- A repeat let through at the quota whose lease ran out before the acquire claimed it, and so
     -- granted anew, is refused after all (the grant rolls back with the statement). Judged by
     -- what this call did: it inserted a live lock, reclaiming none.

@@ -801,7 +801,9 @@ BEGIN
     RETURN QUERY SELECT * FROM helix_acquire_job_lock(
         p_organization_id, p_job_type, p_holder, p_ttl_ms, p_metadata, p_idempotency_key, p_max_holders, p_place, p_mode
     );
-    PERFORM helix_refuse_replay_of_another_mode(p_organization_id, p_job_type, p_holder, p_idempotency_key, p_mode);
+    IF p_idempotency_key IS NOT NULL THEN  -- no call at all for an acquire without a key (0032)
+        PERFORM helix_refuse_replay_of_another_mode(p_organization_id, p_job_type, p_holder, p_idempotency_key, p_mode);
+    END IF;
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_acquire_job_lock_on_share(text,text,text,bigint,jsonb,text,integer,bigint,bigint,text) FROM PUBLIC;
 COMMENT ON FUNCTION helix_acquire_job_lock_on_share(text,text,text,bigint,jsonb,text,integer,bigint,bigint,text) IS 'helix_acquire_job_lock, let through on a share of the quota: under the share''s advisory lock in shared mode to its commit, so that the share stays until it has committed; HL005 once the share is gone or past its time (migration 0020). p_place: the waiter''s place (0029). p_mode: exclusive or shared; a repeat of another mode is refused (0031).';
@@ -866,7 +868,9 @@ BEGIN
     RETURN QUERY SELECT * FROM helix_acquire_job_lock(
         p_organization_id, p_job_type, p_holder, p_ttl_ms, p_metadata, p_idempotency_key, p_max_holders, p_place, p_mode
     );
-    PERFORM helix_refuse_replay_of_another_mode(p_organization_id, p_job_type, p_holder, p_idempotency_key, p_mode);
+    IF p_idempotency_key IS NOT NULL THEN  -- no call at all for an acquire without a key (0032)
+        PERFORM helix_refuse_replay_of_another_mode(p_organization_id, p_job_type, p_holder, p_idempotency_key, p_mode);
+    END IF;
     -- A repeat let through at the quota whose lease ran out before the acquire claimed it, and so
     -- granted anew, is refused after all (the grant rolls back with the statement). Judged by
     -- what this call did: it inserted a live lock, reclaiming none.
