@@ -188,6 +188,16 @@ LEAVE_AGAIN_SECONDS = 0.5
 # (job_type, max_holders, mode) of each lock a call asks for.
 Wanted = list[tuple[str, int, Mode]]
 
+
+def wanted_columns(wanted: Wanted) -> dict[str, list[Any]]:
+    """The statements' parameters of the locks a call asks for: one array per column."""
+    return {
+        "job_types": [job_type for job_type, _, _ in wanted],
+        "max_holders": [max_holders for _, max_holders, _ in wanted],
+        "shared": [mode == "shared" for _, _, mode in wanted],
+    }
+
+
 # An acquire's statement parameters (queries.ACQUIRE_WITHIN_QUOTA's, without the quota): the
 # quota reads the organization, and asks with them whether the acquire would add a live lock.
 Acquiring = dict[str, Any]
@@ -503,10 +513,8 @@ class Locks:
         owner = secrets.token_hex(8)
         params = {
             "organization_id": organization_id,
-            "job_types": [job_type for job_type, _, _ in wanted],
             "holder": holder,
-            "max_holders": [max_holders for _, max_holders, _ in wanted],
-            "shared": [mode == "shared" for _, _, mode in wanted],
+            **wanted_columns(wanted),
             "seconds": seconds,
             "replica": replica,
             "owner": owner,

@@ -21,7 +21,7 @@ from helix_locks.server.errors import (
     ShareEnded,
 )
 from helix_locks.server.keys import Caller
-from helix_locks.server.locks import LiveLockQuota, Lock, Place, Wanted, utc
+from helix_locks.server.locks import LiveLockQuota, Lock, Place, Wanted, utc, wanted_columns
 
 SessionState = Literal["held", "expired", "ended"]
 
@@ -75,9 +75,7 @@ class Sessions:
 
     def _wanted(self, locks: Wanted) -> dict[str, Any]:
         return {
-            "job_types": [job_type for job_type, _, _ in locks],
-            "max_holders": [max_holders for _, max_holders, _ in locks],
-            "shared": [mode == "shared" for _, _, mode in locks],
+            **wanted_columns(locks),
             "quota": self.quota.limit,
             "locks_limit": self.locks_limit,
         }
