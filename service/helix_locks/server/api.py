@@ -22,6 +22,7 @@ from helix_locks.server.errors import (
     DatabaseUnavailable,
     EventsExpired,
     Forbidden,
+    HoldLimitReached,
     InvalidArgument,
     InvalidRequest,
     LockEnded,
@@ -286,6 +287,7 @@ async def acquire(
             max_holders=body.max_holders,
             place=place,
             mode=body.mode,
+            max_hold_ms=None if body.max_hold_seconds is None else ttl_ms(body.max_hold_seconds),
         )
 
     try:
@@ -555,7 +557,7 @@ HOLDER_PROBLEMS = problems.responses(
     operation_id="renewLock",
     openapi_extra=BEARER_REQUIRED,
     response_description="The lock with its new expires_at; lapsed says whether the lease had run out.",
-    responses={**HOLDER_PROBLEMS, **problems.responses(RenewTheSession)},
+    responses={**HOLDER_PROBLEMS, **problems.responses(RenewTheSession, HoldLimitReached)},
 )
 async def renew(request: Request, lock_id: LockIdPath, token: LockToken, body: RenewRequest) -> Response:
     """Extend the lease to database-now + ttl_seconds; works on a lapsed lease nobody reclaimed. A
@@ -567,7 +569,7 @@ async def renew(request: Request, lock_id: LockIdPath, token: LockToken, body: R
         renewal = await session.locks.renew(session.caller, id_, token, ttl_ms(body.ttl_seconds))
     answered.about(renewal.lock.organization_id, renewal.lock.job_type)
     answered.result = "renewed"
-    logs.bind(lapsed=renewal.lapsed)
+    logs.bind(lapsed=renewal.lapsed, limited=renewal.limited)
     return json_body(RenewalBody.of_renewal(renewal))
 
 

@@ -19,6 +19,7 @@ from helix_locks.server.errors import (
     DatabaseUnavailable,
     EmptyResult,
     Holder,
+    HoldLimitReached,
     InvalidArgument,
     LockEnded,
     LockError,
@@ -116,6 +117,12 @@ def _session_lapsed(exc: psycopg.Error) -> LockError:
     return SessionLapsed(expires_at)
 
 
+def _hold_limit_reached(exc: psycopg.Error) -> LockError:
+    hold_limit_at = _time(_detail(exc).get("hold_limit_at"))
+    assert hold_limit_at is not None, "HL012 always carries hold_limit_at"
+    return HoldLimitReached(hold_limit_at)
+
+
 def _token_mismatch(exc: psycopg.Error) -> LockError:
     detail = _detail(exc)
     return TokenMismatch(detail.get("organization_id"), detail.get("job_type"))
@@ -147,6 +154,8 @@ SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "HL009": lambda exc: TooManySessions(int(exc.diag.message_detail or 0)),
     "HL010": _session_lapsed,
     "HL011": lambda exc: SessionNotFound(),
+    # Hold limits (migration 0033).
+    "HL012": _hold_limit_reached,
     # A primary that just became a standby (failover): it will not take writes, try again.
     "25006": lambda exc: DatabaseUnavailable("read-only transaction"),
     # Prepared statements lost or doubled: DATABASE_URL goes through a transaction pooler, but no

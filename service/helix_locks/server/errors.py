@@ -88,6 +88,14 @@ class LockEnded(LockError):
 
 
 @dataclass
+class HoldLimitReached(LockError):
+    """The lock's hold limit (max_hold_seconds) has come: it is renewed no more, and its lease ran
+    out with it."""
+
+    hold_limit_at: datetime
+
+
+@dataclass
 class SessionNotFound(LockError):
     """No session with this id exists (for this caller)."""
 

@@ -63,6 +63,8 @@ class Lock:
     session_id: int | None = None
     # exclusive, or shared (migration 0030): the statements read it as helix_holds.shared.
     mode: Mode = "exclusive"
+    # No lease of the lock runs past it (max_hold_seconds, migration 0033); None: no hold limit.
+    hold_limit_at: datetime | None = None
 
     @classmethod
     def from_row(cls, row: DictRow) -> Lock:
@@ -102,6 +104,7 @@ class Renewal:
 
     lock: Lock
     lapsed: bool
+    limited: bool = False  # the lease was cut short by the lock's hold limit
 
 
 @dataclass(frozen=True)
@@ -439,6 +442,7 @@ class Locks:
         max_holders: int = 1,
         place: Place | None = None,
         mode: Mode = "exclusive",
+        max_hold_ms: int | None = None,
     ) -> Grant:
         """Grant the lock (a free slot of up to max_holders), or raise LockHeld (every slot held),
         WaitersAhead (places of the pair's queue come first) or MaxHoldersMismatch (held with
@@ -457,6 +461,7 @@ class Locks:
             "max_holders": max_holders,
             "place": None if place is None else place.id,
             "mode": mode,
+            "max_hold_ms": max_hold_ms,
         }
         share = await self.quota.admit(params, waiting=waiting)
         row: DictRow | None = None
@@ -590,7 +595,7 @@ class Locks:
     async def renew(self, caller: Caller, lock_id: int, token: str, ttl_ms: int) -> Renewal:
         params = {"lock_id": lock_id, "token": token, "ttl_ms": ttl_ms, "scope": caller.scope}
         row = await self.db.fetch_first(queries.RENEW, params)
-        return Renewal(Lock.from_row(row), row["lapsed"])
+        return Renewal(Lock.from_row(row), row["lapsed"], row["limited"])
 
     async def update(self, caller: Caller, lock_id: int, token: str, metadata: dict[str, Any] | None) -> Lock:
         """Replace a held lock's metadata; its lease stays as it is."""

@@ -24,6 +24,7 @@ from helix_locks.server.errors import (
     EventsExpired,
     Forbidden,
     Holder,
+    HoldLimitReached,
     InternalError,
     InvalidRequest,
     LockEnded,
@@ -280,6 +281,16 @@ KINDS: Mapping[type[LockError], Kind] = {
             "released_at": exc.released_at,
             "forced_by": exc.forced_by,
         },
+    ),
+    HoldLimitReached: Kind(
+        410,
+        "hold-limit-reached",
+        "Hold limit reached",
+        "The lock's hold limit (max_hold_seconds at its acquire) has come: its lease ended then, and"
+        " it is renewed no more. The next acquire of the key reclaims it.",
+        HoldLimitReached(_EXPIRES),
+        lambda exc: f"The lock reached its hold limit at {exc.hold_limit_at.isoformat()}.",
+        fields=lambda exc: {"hold_limit_at": exc.hold_limit_at},
     ),
     SessionNotFound: Kind(
         404,

@@ -77,9 +77,17 @@ RELEASE = "SELECT " + LOCK + " FROM helix_release_job_lock(%(lock_id)s, %(token)
 # A lock's mode (migration 0030) is not in the views the functions answer: read from the hold, as
 # this statement's snapshot shows it, from before the function changed it.
 _HOLD_SHARED = "(SELECT h.shared FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS shared"
+# A lock's hold limit (migration 0033), the same way; it never changes.
+_HOLD_LIMIT = "(SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS hold_limit_at"
 
 FORCE_RELEASE = (
-    "SELECT " + LOCK + ", " + _HOLD_SHARED + " FROM helix_force_release_job_lock(%(lock_id)s, %(key_id)s)"
+    "SELECT "
+    + LOCK
+    + ", "
+    + _HOLD_SHARED
+    + ", "
+    + _HOLD_LIMIT
+    + " FROM helix_force_release_job_lock(%(lock_id)s, %(key_id)s)"
 )
 
 # A waiting acquire's grant whose client left: released unless a replay claimed it (0010).
@@ -88,8 +96,10 @@ RELEASE_UNCLAIMED = "SELECT helix_release_unclaimed(%(lock_id)s, %(token)s, %(sc
 RENEW = (
     "SELECT "
     + LOCK
-    + ", lapsed, "
+    + ", lapsed, limited, "
     + _HOLD_SHARED
+    + ", "
+    + _HOLD_LIMIT
     + " FROM helix_renew_job_lock(%(lock_id)s, %(token)s, %(ttl_ms)s, %(scope)s)"
 )
 
@@ -99,6 +109,8 @@ UPDATE = (
     + LOCK
     + """, (SELECT h.session_id FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS session_id, """
     + _HOLD_SHARED
+    + ", "
+    + _HOLD_LIMIT
     + """
 FROM helix_update_job_lock(%(lock_id)s, %(token)s, %(metadata)s, %(scope)s)"""
 )
@@ -110,7 +122,10 @@ GET = (
        coalesce((SELECT h.session_id FROM helix_holds AS h WHERE h.id = %(lock_id)s),
                 (SELECT k.session_id FROM helix_lock_history AS k WHERE k.id = %(lock_id)s)) AS session_id,
        coalesce((SELECT h.shared FROM helix_holds AS h WHERE h.id = %(lock_id)s),
-                (SELECT k.shared FROM helix_lock_history AS k WHERE k.id = %(lock_id)s)) AS shared
+                (SELECT k.shared FROM helix_lock_history AS k WHERE k.id = %(lock_id)s)) AS shared,
+       coalesce((SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = %(lock_id)s),
+                (SELECT k.hold_limit_at FROM helix_lock_history AS k WHERE k.id = %(lock_id)s))
+           AS hold_limit_at
 FROM helix_job_lock_views
 WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope)s)
 """
@@ -204,7 +219,8 @@ CURRENT = (
     "SELECT "
     + LOCK
     + """, (SELECT h.session_id FROM helix_holds AS h WHERE h.id = v.id) AS session_id,
-       (SELECT h.shared FROM helix_holds AS h WHERE h.id = v.id) AS shared
+       (SELECT h.shared FROM helix_holds AS h WHERE h.id = v.id) AS shared,
+       (SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = v.id) AS hold_limit_at
 FROM helix_held_locks AS v
 WHERE organization_id = %(organization_id)s
   AND job_type = %(job_type)s
@@ -220,14 +236,24 @@ LIMIT 1
 # (HL005 once the share is gone or past its time), and the count that hands a process its share.
 # Near it: the same acquire, counted and granted one at a time per organization; HL004 beyond the
 # quota.
+# A grant's hold limit (migration 0033): the statement's snapshot does not show the hold the call
+# inserted, so a fresh grant's is computed as the function computed it; a repeat answered with a
+# lock granted before reads that lock's own.
+_GRANT_HOLD_LIMIT = """CASE WHEN EXISTS (SELECT FROM helix_holds AS h WHERE h.id = g.id)
+            THEN (SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = g.id)
+            ELSE g.acquired_at + %(max_hold_ms)s::bigint * interval '1 millisecond'
+       END AS hold_limit_at"""
 ACQUIRE_ON_SHARE = (
     "SELECT "
     + LOCK
-    + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at, %(mode)s = 'shared' AS shared
+    + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at, %(mode)s = 'shared' AS shared,
+       """
+    + _GRANT_HOLD_LIMIT
+    + """
 FROM helix_acquire_job_lock_on_share(
     %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s,
-    %(max_holders)s, %(share)s, %(place)s, %(mode)s
-)
+    %(max_holders)s, %(share)s, %(place)s, %(mode)s, %(max_hold_ms)s
+) AS g
 """
 )
 SHARE_QUOTA = """
@@ -237,11 +263,14 @@ FROM helix_share_quota(%(organization_id)s, %(limit)s, %(parts)s, %(seconds)s, %
 ACQUIRE_WITHIN_QUOTA = (
     "SELECT "
     + LOCK
-    + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at, %(mode)s = 'shared' AS shared
+    + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at, %(mode)s = 'shared' AS shared,
+       """
+    + _GRANT_HOLD_LIMIT
+    + """
 FROM helix_acquire_job_lock_within_quota(
     %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(quota)s,
-    %(max_holders)s, %(place)s, %(mode)s
-)
+    %(max_holders)s, %(place)s, %(mode)s, %(max_hold_ms)s
+) AS g
 """
 )
 
@@ -285,7 +314,7 @@ SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquire
        NULL::timestamptz AS released_at, NULL::text AS release_reason, s.state,
        greatest(0, floor(extract(epoch FROM s.expires_at - clock_timestamp()) * 1000))::bigint
            AS ttl_remaining_ms,
-       l.metadata, l.max_holders, l.slot, l.session_id, l.shared
+       l.metadata, l.max_holders, l.slot, l.session_id, l.shared, l.hold_limit_at
 FROM helix_holds AS l
 CROSS JOIN LATERAL (
     SELECT CASE WHEN l.session_id IS NULL THEN l.expires_at
@@ -335,7 +364,8 @@ _HISTORY = """
 SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquired_at, l.expires_at,
        l.released_at, l.release_reason,
        CASE WHEN l.release_reason = 'reclaimed' THEN 'reclaimed' ELSE 'released' END AS state,
-       0::bigint AS ttl_remaining_ms, l.metadata, l.max_holders, l.slot, l.forced_by, l.session_id, l.shared
+       0::bigint AS ttl_remaining_ms, l.metadata, l.max_holders, l.slot, l.forced_by, l.session_id, l.shared,
+       l.hold_limit_at
 FROM helix_lock_history AS l
 WHERE (l.release_reason IS DISTINCT FROM 'reclaimed') = (%(state)s::text = 'released')
   AND (l.released_at, l.id) < (coalesce(%(after_released_at)s::timestamptz, 'infinity'),
@@ -452,7 +482,9 @@ _EVENT_LOCK = """v.id, v.organization_id, v.job_type, v.holder, v.fencing_token,
        coalesce((SELECT h.session_id FROM helix_holds AS h WHERE h.id = v.id),
                 (SELECT e.session_id FROM helix_lock_history AS e WHERE e.id = v.id)) AS session_id,
        coalesce((SELECT h.shared FROM helix_holds AS h WHERE h.id = v.id),
-                (SELECT e.shared FROM helix_lock_history AS e WHERE e.id = v.id)) AS shared"""
+                (SELECT e.shared FROM helix_lock_history AS e WHERE e.id = v.id)) AS shared,
+       coalesce((SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = v.id),
+                (SELECT e.hold_limit_at FROM helix_lock_history AS e WHERE e.id = v.id)) AS hold_limit_at"""
 
 # The reader's poll: its own window from the snapshot it read last to this statement's, and a
 # window for each resumed watcher from where its catch-up ended (its bridge); one statement, so

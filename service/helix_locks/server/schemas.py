@@ -139,6 +139,19 @@ TtlSeconds = Annotated[
         examples=[30, 2.5],
     ),
 ]
+MaxHoldSeconds = Annotated[
+    float | None,
+    Field(
+        strict=True,
+        ge=1,
+        le=604800,
+        allow_inf_nan=False,
+        description="A hold limit in seconds, 1 to 604800 (7 days): no lease of the lock runs past"
+        " acquired_at + this (hold_limit_at), however it is renewed, so a holder that hangs while its"
+        " heartbeat goes on loses the lock then. Default: none.",
+        examples=[3600],
+    ),
+]
 WaitSeconds = Annotated[
     float,
     Field(
@@ -268,6 +281,7 @@ class AcquireRequest(BaseModel):
     wait_seconds: WaitSeconds = 0
     max_holders: MaxHolders = 1
     mode: ModeField = "exclusive"
+    max_hold_seconds: MaxHoldSeconds = None
 
     _shared_alone = field_validator("mode")(_one_holder_if_shared)
 
@@ -357,6 +371,12 @@ class LockBody(BaseModel):
         " the session, never alone); null for a lock on its own.",
         examples=[None],
     )
+    hold_limit_at: datetime | None = Field(
+        default=None,
+        description="acquired_at + max_hold_seconds: no lease of the lock runs past it, and after it no"
+        " renewal is granted (410 hold-limit-reached); null when the acquire set no hold limit.",
+        examples=[None],
+    )
 
     @classmethod
     def of(cls, lock: Lock) -> LockBody:
@@ -434,10 +454,18 @@ class RenewalBody(LockBody):
     lapsed: bool = Field(
         description="The lease had run out, unreclaimed, before this renewal.", examples=[False]
     )
+    limited: bool = Field(
+        default=False,
+        description="The new lease was cut short by the lock's hold limit: it ends at hold_limit_at,"
+        " sooner than ttl_seconds asked, and no renewal takes it further.",
+        examples=[False],
+    )
 
     @classmethod
     def of_renewal(cls, renewal: Renewal) -> RenewalBody:
-        return cls.model_validate({**vars(renewal.lock), "lapsed": renewal.lapsed})
+        return cls.model_validate(
+            {**vars(renewal.lock), "lapsed": renewal.lapsed, "limited": renewal.limited}
+        )
 
 
 class PageBody(BaseModel):
@@ -603,6 +631,11 @@ class Problem(BaseModel):
     )
     released_at: datetime | None = Field(
         default=None, description="410 only: when the lock ended.", examples=[_RECLAIMED_AT]
+    )
+    hold_limit_at: datetime | None = Field(
+        default=None,
+        description="410 hold-limit-reached only: the lock's hold limit, which has come.",
+        examples=[_EXPIRES],
     )
     forced_by: str | None = Field(
         default=None,
