@@ -8,6 +8,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -153,6 +154,7 @@ def client_command(args: argparse.Namespace) -> int:
                     wait=args.wait,
                     max_holders=args.max_holders,
                     mode="shared" if args.shared else "exclusive",
+                    max_hold=args.max_hold,
                 )
                 _print_json(grant.body)
             elif args.command == "renew":
@@ -229,6 +231,12 @@ def run_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if len(args.job_type) > 1 and args.max_hold is not None:
+        print(
+            "helix-locks run: --max-hold takes one --job-type (a session has no hold limit yet)",
+            file=sys.stderr,
+        )
+        return 2
     with _client(args) as client:
         return runner.run(
             client,
@@ -240,7 +248,18 @@ def run_command(args: argparse.Namespace) -> int:
             pass_api_key=args.pass_api_key,
             max_holders=args.max_holders,
             shared=args.shared,
+            max_hold=args.max_hold,
         )
+
+
+def duration(text: str) -> float:
+    """A duration as the command line takes one: seconds (90, 2.5), or a number with a unit: s, m,
+    h or d (90s, 15m, 1h, 7d)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (say 90, 90s, 15m, 1h or 7d)")
+    number, unit = match.groups()
+    return float(number) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -352,6 +371,15 @@ def parser() -> argparse.ArgumentParser:
             metavar="N",
             help="a semaphore: up to N hold the lock at once, each in a slot from 0 to N-1 (default 1); "
             "every holder of the key must give the same N",
+        )
+        command.add_argument(
+            "--max-hold",
+            type=duration,
+            default=None,
+            metavar="DURATION",
+            help="a hold limit (90s, 15m, 1h, up to 7d): no lease of the lock runs past its grant plus "
+            "this, however it is renewed"
+            + ("; `run` stops COMMAND before it, as before a lost lease (exit 76)" if many else ""),
         )
         command.add_argument(
             "--shared",

@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Generator, Iterator, Mapping
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any, TypeVar, cast
 
 import httpx
@@ -222,6 +223,11 @@ class Grant:
     slot: int = 0
     # exclusive, or shared: held beside the key's other shared locks, never beside an exclusive one.
     mode: str = "exclusive"
+    # The lock's hold limit (max_hold), as the service said it (hold_limit_at), or None; and when
+    # it surely has come by this process's monotonic clock: as long after the acquire's send as
+    # the service put it after the grant (database times both, never this machine's wall clock).
+    hold_limit_at: str | None = None
+    held_until: float | None = field(default=None, repr=False)
     kind = "locks"  # the path its renewal and release go to
 
 
@@ -421,6 +427,7 @@ def _acquire_body(
     metadata: Mapping[str, Any] | None,
     max_holders: int = 1,
     mode: str = "exclusive",
+    max_hold: float | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "organization_id": organization_id,
@@ -434,6 +441,8 @@ def _acquire_body(
         body["max_holders"] = max_holders
     if mode != "exclusive":  # likewise: the default is not sent
         body["mode"] = mode
+    if max_hold is not None:
+        body["max_hold_seconds"] = max_hold
     return body
 
 
@@ -472,7 +481,19 @@ def _grant(body: Acquired, ttl: float, sent_at: float) -> Grant:
         max_holders=body.get("max_holders", 1),  # absent from a service older than semaphores
         slot=body.get("slot", 0),
         mode=body.get("mode", "exclusive"),  # absent from a service older than modes
+        hold_limit_at=body.get("hold_limit_at"),  # absent from a service older than hold limits
+        held_until=_held_until(body, sent_at),
     )
+
+
+def _held_until(body: Acquired, sent_at: float) -> float | None:
+    """By this process's monotonic clock, when the lock's hold limit has surely come: the grant
+    was made after the request's send, so counting the limit from the send ends no later."""
+    hold_limit_at = body.get("hold_limit_at")
+    if hold_limit_at is None:
+        return None
+    held = datetime.fromisoformat(hold_limit_at) - datetime.fromisoformat(body["acquired_at"])
+    return sent_at + held.total_seconds()
 
 
 def _session_grant(body: OpenedSession, ttl: float, sent_at: float) -> SessionGrant:
@@ -596,7 +617,9 @@ class _Held:
     grant: Grant | SessionGrant
 
     def __init__(self, grant: Grant | SessionGrant) -> None:
-        self._deadline = grant.sent_at + grant.ttl  # by our monotonic clock, from the request's start
+        # No lease runs past the hold limit, if the lock has one.
+        self._limit = getattr(grant, "held_until", None)
+        self._deadline = self._bounded(grant.sent_at + grant.ttl)  # by our monotonic clock, from the send
         self._lost_reason: str | None = None
         self._sent = grant.sent_at  # when the latest renewal (or the acquire) was sent
 
@@ -632,11 +655,21 @@ class _Held:
     def lost_reason(self) -> str | None:
         """Why the lease counts as lost, or None while it is held."""
         if self._lost_reason is None and self.remaining <= 0:
+            if self.at_hold_limit:
+                return f"the lock's hold limit comes at {getattr(self.grant, 'hold_limit_at', None)}"
             return "the lease may have lapsed: renewals did not succeed in time"
         return self._lost_reason
 
     def _renewed(self, started: float) -> None:
-        self._deadline = started + self.grant.ttl
+        self._deadline = self._bounded(started + self.grant.ttl)
+
+    def _bounded(self, deadline: float) -> float:
+        return deadline if self._limit is None else min(deadline, self._limit)
+
+    @property
+    def at_hold_limit(self) -> bool:
+        """Whether the lease ends at the lock's hold limit: no renewal takes it further."""
+        return self._limit is not None and self._deadline >= self._limit
 
     def _lose(self, reason: str) -> None:
         if self._lost_reason is None:
@@ -654,6 +687,8 @@ class Lease(_Held):
         self.slot = grant.slot
         self.max_holders = grant.max_holders
         self.mode = grant.mode
+        # When no lease of the lock runs past (max_hold), as the service said it; None: no limit.
+        self.hold_limit_at = grant.hold_limit_at
 
 
 class SessionLease(_Held):
@@ -811,8 +846,9 @@ class _Core:
         wait: float,
         max_holders: int = 1,
         mode: str = "exclusive",
+        max_hold: float | None = None,
     ) -> Flow[Grant]:
-        body = _acquire_body(organization_id, job_type, ttl, holder, metadata, max_holders, mode)
+        body = _acquire_body(organization_id, job_type, ttl, holder, metadata, max_holders, mode, max_hold)
         return (yield from self._granted("/v1/locks", body, ttl, wait, _grant))
 
     def _open_session(
@@ -1083,15 +1119,18 @@ class LockClient(_Core):
         wait: float = 0,
         max_holders: int = 1,
         mode: str = "exclusive",
+        max_hold: float | None = None,
     ) -> Grant:
         """Acquire, or LockHeld. With `wait`, the service waits for a held lock for up to that
         many seconds (in rounds of at most 60) before answering. With `max_holders` N, up to N
         hold the key at once, each in a slot of its own (grant.slot); MaxHoldersMismatch, at
         once, when the held locks of the key share another value. `mode="shared"`: a reader,
         held beside the key's other readers (each with a lease of its own) and never beside an
-        exclusive lock, which waits for every reader; a reader waits behind a waiting writer."""
+        exclusive lock, which waits for every reader; a reader waits behind a waiting writer.
+        With `max_hold` seconds, a hold limit: no lease of the lock runs past grant.hold_limit_at,
+        however it is renewed."""
         return self._run(
-            self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode)
+            self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode, max_hold)
         )
 
     def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> Renewed:
@@ -1283,11 +1322,15 @@ class LockClient(_Core):
         metadata: Mapping[str, Any] | None = None,
         max_holders: int = 1,
         mode: str = "exclusive",
+        max_hold: float | None = None,
     ) -> Iterator[SyncLease]:
         """Hold the lock for the block: renewed every ttl/3 in a thread, released at the end.
         With `max_holders` N, a semaphore: up to N blocks hold the key at once (lease.slot).
-        `mode="shared"`: a reader, held beside other readers, never beside an exclusive lock."""
-        grant = self.acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode)
+        `mode="shared"`: a reader, held beside other readers, never beside an exclusive lock.
+        With `max_hold` seconds, the lease counts as lost before its hold limit, as before its end."""
+        grant = self.acquire(
+            organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode, max_hold
+        )
         lease = SyncLease(grant, self)
         stop = threading.Event()
         renewer = threading.Thread(
@@ -1357,10 +1400,11 @@ class AsyncLockClient(_Core):
         wait: float = 0,
         max_holders: int = 1,
         mode: str = "exclusive",
+        max_hold: float | None = None,
     ) -> Grant:
         """As LockClient.acquire."""
         return await self._run(
-            self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode)
+            self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode, max_hold)
         )
 
     async def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> Renewed:
@@ -1534,9 +1578,12 @@ class AsyncLockClient(_Core):
         metadata: Mapping[str, Any] | None = None,
         max_holders: int = 1,
         mode: str = "exclusive",
+        max_hold: float | None = None,
     ) -> AsyncIterator[AsyncLease]:
         """As LockClient.lock, renewed by a task."""
-        grant = await self.acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode)
+        grant = await self.acquire(
+            organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode, max_hold
+        )
         lease = AsyncLease(grant, self)
         renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")
         try:

@@ -40,6 +40,9 @@ class Lock(TypedDict):
     # exclusive, or shared (a reader, held beside the key's other readers); absent from a service
     # older than modes.
     mode: NotRequired[Literal["exclusive", "shared"]]
+    # acquired_at + max_hold_seconds: no lease of the lock runs past it; None without a hold
+    # limit; absent from a service older than hold limits.
+    hold_limit_at: NotRequired[str | None]
 
 
 class Reclaimed(TypedDict):
@@ -61,6 +64,8 @@ class Renewed(Lock):
     """A renewal's answer: the lock, and whether the lease had run out, unreclaimed, before it."""
 
     lapsed: bool
+    # The lease was cut short by the lock's hold limit (absent from a service older than them).
+    limited: NotRequired[bool]
 
 
 SessionState = Literal["held", "expired", "ended"]

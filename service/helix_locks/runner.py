@@ -106,13 +106,16 @@ def run(
     pass_api_key: bool = False,
     max_holders: int = 1,
     shared: bool = False,
+    max_hold: float | None = None,
 ) -> int:
     # Until the command exists, a signal ends `run` itself (with 128+N, as the command would).
     previous = {signum: signal.signal(signum, _interrupt) for signum in FORWARDED}
     # The command gets no API key of ours unless asked: it holds the lock, not the key.
     env = {k: v for k, v in os.environ.items() if pass_api_key or k != API_KEY_VARIABLE}
     try:
-        return _run(client, organization_id, job_types, ttl, wait, command, env, max_holders, shared)
+        return _run(
+            client, organization_id, job_types, ttl, wait, command, env, max_holders, shared, max_hold
+        )
     except Interrupted as interrupted:
         say(f"interrupted by signal {interrupted.signum} before the command started")
         return 128 + interrupted.signum
@@ -159,6 +162,7 @@ def _run(
     env: dict[str, str],
     max_holders: int = 1,
     shared: bool = False,
+    max_hold: float | None = None,
 ) -> int:
     job_type = job_types[0]
     grant: Grant | SessionGrant
@@ -166,7 +170,13 @@ def _run(
         if len(job_types) == 1:
             mode = "shared" if shared else "exclusive"
             grant = client.acquire(
-                organization_id, job_type, ttl, wait=wait, max_holders=max_holders, mode=mode
+                organization_id,
+                job_type,
+                ttl,
+                wait=wait,
+                max_holders=max_holders,
+                mode=mode,
+                max_hold=max_hold,
             )
         else:
             grant = client.open_session(
@@ -222,7 +232,11 @@ def _run(
         while process.poll() is None:
             definitive = lease.lost_reason is not None and lease.remaining > 0
             if definitive or lease.remaining <= grace:
-                say(f"lock lost ({lease.lost_reason or 'renewals are failing'}): stopping the command")
+                if lease.at_hold_limit and not definitive:
+                    limit = lease.grant.body.get("hold_limit_at")
+                    say(f"the lock's hold limit comes at {limit}: stopping the command")
+                else:
+                    say(f"lock lost ({lease.lost_reason or 'renewals are failing'}): stopping the command")
                 lost = True
                 stop_before_lapse(process, lease, grace)
                 break

@@ -21,7 +21,7 @@ import pytest
 from harness.processes import ROOT, running_service
 from harness.proxies import plain_http_server
 from helix_locks import runner
-from helix_locks.client import LockClient, LockHeld
+from helix_locks.client import LockClient, LockHeld, LockLost
 
 
 def test_importing_the_sdk_and_its_command_line_needs_httpx_only() -> None:
@@ -162,6 +162,65 @@ def test_run_stops_the_command_before_the_lease_ends_when_the_service_is_gone(
             )
             time.sleep(0.02)
     assert process.wait(timeout=10) == 76
+
+
+def test_run_stops_the_command_before_the_hold_limit_though_renewals_succeed(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A hung command under `run --max-hold`: renewals go on, and still the command is stopped
+    before the lock's hold limit by the database's clock (exit 76, saying why)."""
+    pidfile = tmp_path / "command.pid"
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        command = ["sh", "-c", f"echo $$ > {pidfile}; exec sleep 100"]
+        process = helix_run(
+            url, "--org", "acme", "--job-type", "hung", "--ttl", "2", "--max-hold", "4s", "--", *command,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        pid = written_pid(pidfile, process)
+        with psycopg.connect(db_url, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT hold_limit_at FROM helix_holds WHERE organization_id = 'acme' AND job_type = 'hung'"
+            ).fetchone()
+            assert row is not None and row[0] is not None
+            hold_limit_at = row[0]
+            renewed = False
+            while True:
+                [(before, renewals)] = conn.execute(
+                    "SELECT clock_timestamp(), count(*) FILTER (WHERE renewed_at IS NOT NULL)"
+                    " FROM helix_holds WHERE organization_id = 'acme' AND job_type = 'hung'"
+                ).fetchall()
+                renewed = renewed or renewals > 0
+                if not alive(pid):
+                    break
+                assert before < hold_limit_at, (
+                    f"the command still ran at {before}, the limit is {hold_limit_at}"
+                )
+                time.sleep(0.02)
+        _, err = process.communicate(timeout=10)
+    assert process.returncode == 76, err
+    assert "hold limit" in err and renewed, "stopped for the limit, while renewals succeeded"
+
+
+def test_a_lease_with_a_hold_limit_counts_as_lost_before_it(db_url: str, tmp_path: Path) -> None:
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+        client.lock("acme", "bounded", ttl=2, max_hold=3) as lease,
+        psycopg.connect(db_url, autocommit=True) as conn,
+    ):
+        assert lease.hold_limit_at is not None and lease.at_hold_limit is False
+        hold_limit_at = datetime.fromisoformat(lease.hold_limit_at)
+        while not lease.lost:
+            [(now,)] = conn.execute("SELECT clock_timestamp()").fetchall()
+            assert now < hold_limit_at, "the lease still counted as held at its hold limit"
+            time.sleep(0.02)
+        assert lease.at_hold_limit and "hold limit" in (lease.lost_reason or "")
+        deadline = time.monotonic() + 10
+        while conn.execute("SELECT clock_timestamp() < %s", (hold_limit_at,)).fetchone() == (True,):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(LockLost, match="hold"):
+            client.renew(lease.grant.id, lease.grant.token, 2)
 
 
 def test_run_with_max_holders_gives_each_command_its_slot(db_url: str, tmp_path: Path) -> None:
