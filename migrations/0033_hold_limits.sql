@@ -1,4 +1,4 @@
--- Hold limits (issue 41, its first part): "max_hold_seconds" on an acquire of a lock on its own.
+-- Hold limits (issue 41, its first part): "max_hold_seconds" on an acquire, and on a session.
 --
 -- A holder that hangs while its heartbeat thread goes on renews for ever. With a hold limit, the
 -- grant records hold_limit_at (acquired_at + max_hold_seconds, by the database clock), and no
@@ -8,11 +8,12 @@
 -- acquire of its pair reclaims it. The last line of defence is a CHECK: whatever writes
 -- helix_holds, expires_at never passes hold_limit_at.
 --
--- A new column, NULL for every lock granted before (and for every lock of a session: a session's
--- hold limit comes later), in helix_holds and, copied at the end, in helix_lock_history. Rolling
+-- A new column, NULL for every lock granted before (a lock of a session takes its session's
+-- limit, below), in helix_holds and, copied at the end, in helix_lock_history. Rolling
 -- upgrade: the functions keep their arguments and add p_max_hold_ms last with a default, so the
 -- previous build's calls resolve to them; the renewal answers one column more (limited), which
--- the previous build does not read.
+-- the previous build does not read. Its renewal of a lock past its limit answers 503, not 410,
+-- since it does not know HL012 (docs/deployment.md); only this build grants limits.
 
 CREATE FUNCTION helix_max_hold(p_max_hold_ms bigint)
  RETURNS interval
@@ -37,6 +38,24 @@ ALTER TABLE helix_holds ADD CONSTRAINT helix_holds_within_hold_limit CHECK (expi
 
 ALTER TABLE helix_lock_history ADD COLUMN hold_limit_at timestamptz;
 COMMENT ON COLUMN helix_lock_history.hold_limit_at IS 'As in helix_holds, copied at the end.';
+
+CREATE FUNCTION helix_hold_limit_of(p_lock_id bigint, p_organization_id text)
+ RETURNS timestamptz
+ LANGUAGE plpgsql
+ VOLATILE
+ SECURITY DEFINER
+ SET search_path FROM CURRENT
+AS $function$
+BEGIN
+    -- VOLATILE: read with a snapshot of its own, which shows the hold as the calling statement's
+    -- acquire left it (inserted by it, or committed by a first call that a repeat waited for).
+    RETURN (
+        SELECT h.hold_limit_at FROM helix_holds AS h
+        WHERE h.id = p_lock_id AND h.organization_id = p_organization_id
+    );
+END $function$;
+REVOKE EXECUTE ON FUNCTION helix_hold_limit_of(bigint,text) FROM PUBLIC;
+COMMENT ON FUNCTION helix_hold_limit_of(bigint,text) IS 'A live lock''s hold limit, as the statement that acquired it answers it: its own snapshot sees the hold that statement''s acquire inserted or a repeat was answered with (the statement''s snapshot may not), so a repeat is told the first grant''s limit (0033).';
 
 CREATE OR REPLACE FUNCTION helix_end_holds(p_ids bigint[], p_at timestamp with time zone, p_reason text, p_forced_by text, p_token text DEFAULT NULL::text, p_organization_id text DEFAULT NULL::text, p_alone boolean DEFAULT false)
  RETURNS integer
@@ -513,3 +532,259 @@ BEGIN
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_renew_job_lock(bigint,text,bigint,text) FROM PUBLIC;
 COMMENT ON FUNCTION helix_renew_job_lock(bigint,text,bigint,text) IS 'A holder''s renewal: a new lease of p_ttl_ms from the database clock, a HOT update of the hold. Also renews a lease that ran out if nobody reclaimed it, and says so (lapsed). HL001, HL002 or HL003 otherwise; HL006 for a lock of a session, which is renewed with its session (0027). A lock with a hold limit is renewed up to hold_limit_at at most (limited: cut short by it), and after it not at all: HL012 (0033).';
+
+-- A session's hold limit: max_hold_seconds at its opening, counted from its creation, bounds its
+-- lease and so every one of its locks (each hold records it too, so that a lock of a session shows
+-- it wherever a lock is shown). The last line of defence is the same CHECK on helix_sessions.
+
+ALTER TABLE helix_sessions ADD COLUMN hold_limit_at timestamptz;
+COMMENT ON COLUMN helix_sessions.hold_limit_at IS 'The session''s hold limit: created_at + max_hold_seconds, past which no lease of it runs (helix_sessions_within_hold_limit) and no renewal is granted; each of its locks has it too (0033). NULL: none.';
+ALTER TABLE helix_sessions ADD CONSTRAINT helix_sessions_within_hold_limit CHECK (expires_at <= hold_limit_at);
+
+ALTER TYPE helix_session_answer ADD ATTRIBUTE hold_limit_at timestamptz;
+COMMENT ON TYPE helix_session_answer IS 'A session call''s answer, one row per unreleased lock of the session: the session (state held, expired or ended), lapsed (a renewal found its lease run out), replayed (an Idempotency-Key repeat), and the lock as helix_held_locks shows it, with its mode (shared, 0031), and the session''s hold limit, which is each of its locks'' (0033).';
+
+CREATE OR REPLACE FUNCTION helix_session_answer(p_session_id bigint, p_organization_id text, p_lapsed boolean, p_replayed boolean)
+ RETURNS SETOF helix_session_answer
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path FROM CURRENT
+AS $function$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    RETURN QUERY
+    SELECT s.id, s.token, s.organization_id, s.holder, s.expires_at,
+           CASE WHEN s.ended_at IS NULL
+                THEN greatest(0, floor(extract(epoch FROM s.expires_at - v_now) * 1000))::bigint
+                ELSE 0::bigint END,
+           CASE WHEN s.ended_at IS NOT NULL THEN 'ended'
+                WHEN s.expires_at <= v_now THEN 'expired' ELSE 'held' END,
+           s.ended_at, s.end_reason, p_lapsed, p_replayed,
+           h.id, h.organization_id, h.job_type, h.holder, h.fencing_token, h.acquired_at,
+           CASE WHEN h.id IS NOT NULL THEN s.expires_at END,
+           NULL::timestamptz, NULL::text,
+           CASE WHEN h.id IS NULL THEN NULL WHEN s.expires_at <= v_now THEN 'expired' ELSE 'held' END,
+           CASE WHEN h.id IS NOT NULL
+                THEN greatest(0, floor(extract(epoch FROM s.expires_at - v_now) * 1000))::bigint END,
+           h.metadata, h.max_holders, h.slot, h.shared, s.hold_limit_at
+    FROM helix_sessions AS s
+    LEFT JOIN helix_holds AS h ON h.organization_id = s.organization_id AND h.session_id = s.id
+    WHERE s.id = p_session_id AND (p_organization_id IS NULL OR s.organization_id = p_organization_id)
+    ORDER BY h.job_type COLLATE "C", h.slot;
+END $function$;
+REVOKE EXECUTE ON FUNCTION helix_session_answer(bigint,text,boolean,boolean) FROM PUBLIC;
+COMMENT ON FUNCTION helix_session_answer(bigint,text,boolean,boolean) IS 'A session (of the organization, unless NULL) and its unreleased locks, each with the session''s lease, one row per lock (one with NULL lock columns when it has none), with the session''s hold limit, which is each lock''s (0033).';
+
+CREATE OR REPLACE FUNCTION helix_grant_session_locks(p_session helix_sessions, p_job_types text[], p_max_holders integer[], p_ttl_ms bigint, p_quota integer, p_share bigint, p_locks_limit integer, p_lengthen boolean, p_place bigint DEFAULT NULL::bigint, p_shared boolean[] DEFAULT NULL::boolean[])
+ RETURNS bigint[]
+ LANGUAGE plpgsql
+AS $function$
+DECLARE
+    v_org text := p_session.organization_id;
+    v_pairs integer := coalesce(cardinality(p_job_types), 0);
+    v_live bigint;  -- the organization's live locks before the grants (the exact way)
+    v_shared bigint;
+    v_share bigint;
+    v_job_type text;
+    v_max_holders integer;
+    v_shared_pair boolean;
+    -- Each pair's mode (0031): shared or not; without p_shared (a build before 0031), exclusive.
+    v_modes boolean[] := coalesce(p_shared, array_fill(false, ARRAY[v_pairs]));
+    v_ids bigint[] := '{}';
+    v_grant record;
+    v_expires timestamptz := p_session.expires_at;
+    v_state text;
+    v_message text;
+    v_detail text;
+    v_constraint text;
+BEGIN
+    IF v_pairs = 0 THEN
+        RETURN v_ids;
+    END IF;
+    IF cardinality(p_max_holders) <> v_pairs OR cardinality(v_modes) <> v_pairs
+       OR (SELECT count(DISTINCT j) FROM unnest(p_job_types) AS j) <> v_pairs THEN
+        RAISE EXCEPTION 'a session''s locks name distinct job types, each with its max_holders and mode'
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'locks';
+    END IF;
+    IF p_share IS NOT NULL THEN
+        -- As helix_acquire_job_lock_on_share: the share stays until this transaction commits.
+        PERFORM pg_advisory_xact_lock_shared(helix_quota_share_class(p_share), helix_quota_share_key(p_share));
+        IF NOT EXISTS (
+            SELECT FROM helix_quota_shares AS s
+            WHERE s.id = p_share AND s.organization_id = v_org AND s.until > clock_timestamp()
+        ) THEN
+            RAISE EXCEPTION 'the share % of organization %''s quota has ended', p_share, v_org
+                USING ERRCODE = 'HL005';
+        END IF;
+    ELSE
+        -- As helix_acquire_job_lock_within_quota: counted under the organization's quota lock,
+        -- the room its shares hold back taken back when it is needed, before any pair is locked.
+        PERFORM pg_advisory_xact_lock(helix_quota_lock_key(v_org));
+        SELECT count(*) INTO v_live FROM helix_holds AS h WHERE h.organization_id = v_org;
+        SELECT coalesce(sum(s.room), 0) INTO v_shared FROM helix_quota_shares AS s
+        WHERE s.organization_id = v_org;
+        IF v_live + v_shared + v_pairs > p_quota THEN
+            FOR v_share IN
+                SELECT s.id FROM helix_quota_shares AS s WHERE s.organization_id = v_org ORDER BY s.id
+            LOOP
+                PERFORM pg_advisory_xact_lock(helix_quota_share_class(v_share), helix_quota_share_key(v_share));
+                DELETE FROM helix_quota_shares AS s WHERE s.organization_id = v_org AND s.id = v_share;
+            END LOOP;
+            SELECT count(*) INTO v_live FROM helix_holds AS h WHERE h.organization_id = v_org;
+        END IF;
+    END IF;
+    IF (SELECT count(*) FROM helix_holds AS h
+        WHERE h.session_id = p_session.id AND h.organization_id = v_org) + v_pairs > p_locks_limit THEN
+        RAISE EXCEPTION 'a session may hold at most % locks', p_locks_limit
+            USING ERRCODE = 'HL008', DETAIL = p_locks_limit::text;
+    END IF;
+
+    BEGIN
+        FOR v_job_type, v_max_holders, v_shared_pair IN
+            SELECT j.job_type, j.max_holders, coalesce(j.shared, false)
+            FROM unnest(p_job_types, p_max_holders, v_modes) AS j (job_type, max_holders, shared)
+            ORDER BY j.job_type COLLATE "C"
+        LOOP
+            SELECT a.id, a.expires_at INTO v_grant
+            FROM helix_acquire_job_lock(
+                v_org, v_job_type, p_session.holder, p_ttl_ms, p_session.metadata, NULL, v_max_holders, p_place,
+                CASE WHEN v_shared_pair THEN 'shared' ELSE 'exclusive' END
+            ) AS a;
+            IF NOT FOUND THEN
+                RAISE EXCEPTION 'helix_acquire_job_lock returned no row for %', v_job_type;
+            END IF;
+            v_ids := v_ids || v_grant.id;
+            IF p_lengthen THEN
+                v_expires := least(greatest(v_expires, v_grant.expires_at), p_session.hold_limit_at);  -- (0033)
+            END IF;
+        END LOOP;
+    EXCEPTION WHEN unique_violation THEN
+        -- The pair's refusal, naming the pair.
+        GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_message = MESSAGE_TEXT,
+            v_detail = PG_EXCEPTION_DETAIL, v_constraint = CONSTRAINT_NAME;
+        RAISE EXCEPTION USING ERRCODE = v_state, MESSAGE = v_message, CONSTRAINT = v_constraint,
+            DETAIL = (coalesce(nullif(v_detail, '')::jsonb, '{}') || jsonb_build_object('job_type', v_job_type))::text;
+    END;
+
+    -- The session's lease ran out while the grants waited: nothing is added to it.
+    IF NOT p_lengthen AND v_expires <= clock_timestamp() THEN
+        RAISE EXCEPTION 'the lease of session % has run out: renew it first', p_session.id
+            USING ERRCODE = 'HL010', DETAIL = json_build_object('expires_at', v_expires)::text;
+    END IF;
+    IF v_live IS NOT NULL THEN
+        IF (SELECT count(*) FROM helix_holds AS h WHERE h.organization_id = v_org) > greatest(v_live, p_quota) THEN
+            RAISE EXCEPTION 'organization % has its quota of live locks', v_org
+                USING ERRCODE = 'HL004', DETAIL = p_quota::text;
+        END IF;
+    END IF;
+
+    -- A lock of a session has the session's hold limit (0033).
+    UPDATE helix_holds AS h
+    SET session_id = p_session.id, token = p_session.token, expires_at = v_expires,
+        hold_limit_at = p_session.hold_limit_at
+    WHERE h.id = ANY (v_ids);
+    IF v_expires IS DISTINCT FROM p_session.expires_at THEN
+        UPDATE helix_sessions AS s SET expires_at = v_expires WHERE s.id = p_session.id;
+    END IF;
+    RETURN v_ids;
+END $function$;
+REVOKE EXECUTE ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean,bigint,boolean[]) FROM PUBLIC;
+COMMENT ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean,bigint,boolean[]) IS 'Grants pairs to a session all or none, each by helix_acquire_job_lock in job type order (a refusal raised with its job_type in DETAIL), on a share of the quota (HL005 once gone) or the exact way under the organization''s quota lock (HL004), within the bound on a session''s locks (HL008); the holds take the session''s token and lease (HL010 if an added lock''s ran out meanwhile). p_place: the waiting session''s order number in its pairs'' queues (0029). p_shared: each pair''s mode, NULL for all exclusive (0031). Returns the locks'' ids. Each lock takes the session''s hold limit, and an opening''s lease ends at it at the latest (0033).';
+
+DROP FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer,bigint,boolean[]);
+CREATE FUNCTION helix_open_session(p_organization_id text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text, p_job_types text[], p_max_holders integer[], p_quota integer, p_share bigint, p_sessions_limit integer, p_locks_limit integer, p_place bigint DEFAULT NULL::bigint, p_shared boolean[] DEFAULT NULL::boolean[], p_max_hold_ms bigint DEFAULT NULL::bigint)
+ RETURNS SETOF helix_session_answer
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path FROM CURRENT
+AS $function$
+DECLARE
+    v_lease interval := helix_lease(p_ttl_ms);
+    v_max_hold interval := helix_max_hold(p_max_hold_ms);  -- NULL: no hold limit (0033)
+    v_session helix_sessions%ROWTYPE;
+    v_now timestamptz;
+BEGIN
+    IF p_idempotency_key IS NOT NULL THEN
+        -- One call of a key at a time: a repeat finds the session its first call made.
+        PERFORM pg_advisory_xact_lock(
+            hashtextextended('helix_session_key/' || p_organization_id || '/' || p_idempotency_key, 0)
+        );
+        SELECT * INTO v_session FROM helix_sessions AS s
+        WHERE s.organization_id = p_organization_id AND s.idempotency_key = p_idempotency_key
+          AND s.ended_at IS NULL AND s.holder = p_holder AND s.expires_at > clock_timestamp()
+        FOR UPDATE;
+        IF FOUND THEN
+            PERFORM helix_lock_session_holds(v_session, false);
+            IF NOT helix_session_lost(v_session) THEN
+                RETURN QUERY SELECT * FROM helix_session_answer(v_session.id, p_organization_id, false, true);
+                RETURN;
+            END IF;
+            -- It lost a lock: no longer the set asked for, so no answer to repeat. It ends, and
+            -- this call opens a session anew.
+            PERFORM helix_end_session(v_session, clock_timestamp(), 'lost');
+        END IF;
+    END IF;
+    v_now := clock_timestamp();
+    INSERT INTO helix_sessions AS s (
+        organization_id, holder, token, metadata, idempotency_key, created_at, expires_at, hold_limit_at
+    )
+    VALUES (
+        p_organization_id, p_holder, helix_new_token(), p_metadata, p_idempotency_key, v_now,
+        v_now + least(v_lease, coalesce(v_max_hold, v_lease)), v_now + v_max_hold
+    )
+    RETURNING s.* INTO v_session;
+    PERFORM helix_grant_session_locks(
+        v_session, p_job_types, p_max_holders, p_ttl_ms, p_quota, p_share, p_locks_limit, true, p_place, p_shared
+    );
+    PERFORM helix_session_count_lock(v_session, p_sessions_limit);
+    RETURN QUERY SELECT * FROM helix_session_answer(v_session.id, p_organization_id, false, false);
+END $function$;
+REVOKE EXECUTE ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer,bigint,boolean[],bigint) FROM PUBLIC;
+COMMENT ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer,bigint,boolean[],bigint) IS 'POST /v1/sessions: opens a session and grants its locks in one statement, all or none, or answers the open session of a repeat (same organization, holder and Idempotency-Key) unless it lost a lock; HL009 past the bound on open sessions. p_place: a waiting opening''s order number in its pairs'' queues (0029). p_shared: each lock''s mode, NULL for all exclusive (0031). p_max_hold_ms: the session''s hold limit, hold_limit_at = created_at + that, which no lease of it or of its locks passes (0033).';
+
+CREATE OR REPLACE FUNCTION helix_renew_session(p_session_id bigint, p_token text, p_ttl_ms bigint, p_organization_id text, p_sessions_limit integer)
+ RETURNS SETOF helix_session_answer
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path FROM CURRENT
+ SET plan_cache_mode TO 'force_generic_plan'
+AS $function$
+DECLARE
+    v_lease interval := helix_lease(p_ttl_ms);
+    v_session helix_sessions%ROWTYPE := helix_session_for_holder(p_session_id, p_token, p_organization_id);
+    v_now timestamptz := clock_timestamp();  -- under the session's row lock
+    v_xid xid8 := pg_current_xact_id();
+    v_lapsed boolean;
+BEGIN
+    -- An acquire that reclaimed a lock of it, or a force, committed before the row lock above
+    -- was granted (each takes the row first): the history shows it.
+    IF helix_session_lost(v_session) THEN
+        PERFORM helix_end_session(v_session, v_now, 'lost');
+        RETURN QUERY SELECT * FROM helix_session_answer(p_session_id, p_organization_id, false, false);
+        RETURN;
+    END IF;
+    -- A session with a hold limit (0033) is renewed up to it, never past it, and not at all once
+    -- it has come: its lease ran out then, for good, and its locks are reclaimed as any.
+    IF v_session.hold_limit_at <= v_now THEN
+        RAISE EXCEPTION 'session % reached its hold limit at %', p_session_id, v_session.hold_limit_at
+            USING ERRCODE = 'HL012', DETAIL = json_build_object('hold_limit_at', v_session.hold_limit_at)::text;
+    END IF;
+    v_lapsed := v_session.expires_at <= v_now;
+    IF v_lapsed THEN
+        PERFORM helix_session_count_lock(v_session, p_sessions_limit);
+    END IF;
+    -- A HOT update: nothing it changes is indexed. A lease that ran out (announced or not) is a
+    -- lapse of every lock of the session, as a lock's renewal records its own.
+    UPDATE helix_sessions AS s
+    SET expires_at = least(v_now + v_lease, coalesce(v_session.hold_limit_at, v_now + v_lease)), renewed_at = v_now, renewed_xid = v_xid, changed_xid = v_xid,
+        lapses = CASE WHEN v_lapsed OR s.expired_xid IS NOT NULL
+                      THEN array_append(s.lapses, s.expires_at) ELSE s.lapses END,
+        lapse_xids = CASE WHEN v_lapsed OR s.expired_xid IS NOT NULL
+                          THEN array_append(s.lapse_xids, coalesce(s.expired_xid, v_xid)) ELSE s.lapse_xids END,
+        expired_xid = NULL
+    WHERE s.id = p_session_id;
+    RETURN QUERY SELECT * FROM helix_session_answer(p_session_id, p_organization_id, v_lapsed, false);
+END $function$;
+REVOKE EXECUTE ON FUNCTION helix_renew_session(bigint,text,bigint,text,integer) FROM PUBLIC;
+COMMENT ON FUNCTION helix_renew_session(bigint,text,bigint,text,integer) IS 'POST /v1/sessions/{id}/renew: a new lease for the session, and so for each of its locks, by an update of its row alone (0028); lapsed: it had run out, and it counts against the bound on open sessions again (HL009). A session that lost a lock ends instead, its other locks released (session_state ended, end_reason lost). Up to the session''s hold limit at most, and after it not at all: HL012 (0033).';

@@ -38,9 +38,10 @@ CREATE TYPE helix_session_answer AS (
     metadata jsonb,
     max_holders integer,
     slot integer,
-    shared boolean
+    shared boolean,
+    hold_limit_at timestamp with time zone
 );
-COMMENT ON TYPE helix_session_answer IS 'A session call''s answer, one row per unreleased lock of the session: the session (state held, expired or ended), lapsed (a renewal found its lease run out), replayed (an Idempotency-Key repeat), and the lock as helix_held_locks shows it, with its mode (shared, 0031).';
+COMMENT ON TYPE helix_session_answer IS 'A session call''s answer, one row per unreleased lock of the session: the session (state held, expired or ended), lapsed (a renewal found its lease run out), replayed (an Idempotency-Key repeat), and the lock as helix_held_locks shows it, with its mode (shared, 0031), and the session''s hold limit, which is each of its locks'' (0033).';
 
 CREATE TABLE helix_api_keys (
     id text NOT NULL,
@@ -320,9 +321,11 @@ CREATE TABLE helix_sessions (
     lapse_xids xid8[],
     expired_xid xid8,
     changed_xid xid8,
+    hold_limit_at timestamp with time zone,
     CONSTRAINT helix_sessions_end_reason CHECK (end_reason = ANY (ARRAY['released'::text, 'lost'::text])),
     CONSTRAINT helix_sessions_ended CHECK ((ended_at IS NULL) = (end_reason IS NULL)),
-    CONSTRAINT helix_sessions_pkey PRIMARY KEY (id)
+    CONSTRAINT helix_sessions_pkey PRIMARY KEY (id),
+    CONSTRAINT helix_sessions_within_hold_limit CHECK (expires_at <= hold_limit_at)
 ) WITH (fillfactor=50);
 COMMENT ON TABLE helix_sessions IS 'One row per session: a lease that many locks share (helix_holds.session_id), renewed and ended by one statement for all of them (migration 0027). Kept after its end, so that a late call is told it ended, until retention (helix_prune_sessions).';
 COMMENT ON COLUMN helix_sessions.id IS 'The session''s id, from helix_session_ids.';
@@ -341,6 +344,7 @@ COMMENT ON COLUMN helix_sessions.lapses IS 'When each earlier lease of the sessi
 COMMENT ON COLUMN helix_sessions.lapse_xids IS 'Beside lapses, the transaction that announced each of those expiries.';
 COMMENT ON COLUMN helix_sessions.expired_xid IS 'The transaction that announced that the current lease ran out (the sweep, an acquire, an update or an end of one of its locks); NULL: not announced.';
 COMMENT ON COLUMN helix_sessions.changed_xid IS 'The transaction of the latest change of its lease that GET /v1/events reports for its locks (renewal, announced expiry).';
+COMMENT ON COLUMN helix_sessions.hold_limit_at IS 'The session''s hold limit: created_at + max_hold_seconds, past which no lease of it runs (helix_sessions_within_hold_limit) and no renewal is granted; each of its locks has it too (0033). NULL: none.';
 CREATE INDEX helix_sessions_open ON public.helix_sessions USING btree (organization_id, idempotency_key) WHERE (ended_at IS NULL);
 CREATE TRIGGER helix_session_lease_shortened AFTER UPDATE OF expires_at ON helix_sessions FOR EACH ROW WHEN (new.expires_at < old.expires_at) EXECUTE FUNCTION helix_session_lease_shortened();
 
@@ -1307,7 +1311,7 @@ BEGIN
             END IF;
             v_ids := v_ids || v_grant.id;
             IF p_lengthen THEN
-                v_expires := greatest(v_expires, v_grant.expires_at);
+                v_expires := least(greatest(v_expires, v_grant.expires_at), p_session.hold_limit_at);  -- (0033)
             END IF;
         END LOOP;
     EXCEPTION WHEN unique_violation THEN
@@ -1330,7 +1334,10 @@ BEGIN
         END IF;
     END IF;
 
-    UPDATE helix_holds AS h SET session_id = p_session.id, token = p_session.token, expires_at = v_expires
+    -- A lock of a session has the session's hold limit (0033).
+    UPDATE helix_holds AS h
+    SET session_id = p_session.id, token = p_session.token, expires_at = v_expires,
+        hold_limit_at = p_session.hold_limit_at
     WHERE h.id = ANY (v_ids);
     IF v_expires IS DISTINCT FROM p_session.expires_at THEN
         UPDATE helix_sessions AS s SET expires_at = v_expires WHERE s.id = p_session.id;
@@ -1338,7 +1345,7 @@ BEGIN
     RETURN v_ids;
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean,bigint,boolean[]) FROM PUBLIC;
-COMMENT ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean,bigint,boolean[]) IS 'Grants pairs to a session all or none, each by helix_acquire_job_lock in job type order (a refusal raised with its job_type in DETAIL), on a share of the quota (HL005 once gone) or the exact way under the organization''s quota lock (HL004), within the bound on a session''s locks (HL008); the holds take the session''s token and lease (HL010 if an added lock''s ran out meanwhile). p_place: the waiting session''s order number in its pairs'' queues (0029). p_shared: each pair''s mode, NULL for all exclusive (0031). Returns the locks'' ids.';
+COMMENT ON FUNCTION helix_grant_session_locks(helix_sessions,text[],integer[],bigint,integer,bigint,integer,boolean,bigint,boolean[]) IS 'Grants pairs to a session all or none, each by helix_acquire_job_lock in job type order (a refusal raised with its job_type in DETAIL), on a share of the quota (HL005 once gone) or the exact way under the organization''s quota lock (HL004), within the bound on a session''s locks (HL008); the holds take the session''s token and lease (HL010 if an added lock''s ran out meanwhile). p_place: the waiting session''s order number in its pairs'' queues (0029). p_shared: each pair''s mode, NULL for all exclusive (0031). Returns the locks'' ids. Each lock takes the session''s hold limit, and an opening''s lease ends at it at the latest (0033).';
 
 CREATE OR REPLACE FUNCTION public.helix_hold_changed()
  RETURNS trigger
@@ -1412,6 +1419,23 @@ AS $function$
 $function$;
 REVOKE EXECUTE ON FUNCTION helix_hold_lease(bigint,timestamp with time zone,timestamp with time zone,timestamp with time zone,xid8,timestamp with time zone[],xid8[],xid8,xid8) FROM PUBLIC;
 COMMENT ON FUNCTION helix_hold_lease(bigint,timestamp with time zone,timestamp with time zone,timestamp with time zone,xid8,timestamp with time zone[],xid8[],xid8,xid8) IS 'A lock''s lease from its hold''s columns: its own for a lock on its own, its session''s from its grant on for a lock of a session (migration 0028). One row.';
+
+CREATE OR REPLACE FUNCTION public.helix_hold_limit_of(p_lock_id bigint, p_organization_id text)
+ RETURNS timestamp with time zone
+ LANGUAGE plpgsql
+ SECURITY DEFINER
+ SET search_path TO 'public', 'pg_temp'
+AS $function$
+BEGIN
+    -- VOLATILE: read with a snapshot of its own, which shows the hold as the calling statement's
+    -- acquire left it (inserted by it, or committed by a first call that a repeat waited for).
+    RETURN (
+        SELECT h.hold_limit_at FROM helix_holds AS h
+        WHERE h.id = p_lock_id AND h.organization_id = p_organization_id
+    );
+END $function$;
+REVOKE EXECUTE ON FUNCTION helix_hold_limit_of(bigint,text) FROM PUBLIC;
+COMMENT ON FUNCTION helix_hold_limit_of(bigint,text) IS 'A live lock''s hold limit, as the statement that acquired it answers it: its own snapshot sees the hold that statement''s acquire inserted or a repeat was answered with (the statement''s snapshot may not), so a repeat is told the first grant''s limit (0033).';
 
 CREATE OR REPLACE FUNCTION public.helix_holds_modes_apart()
  RETURNS trigger
@@ -1775,7 +1799,7 @@ END $function$;
 REVOKE EXECUTE ON FUNCTION helix_new_token() FROM PUBLIC;
 COMMENT ON FUNCTION helix_new_token() IS 'A new lock token: 32 hex digits, the random ones of two version-4 UUIDs (128 random bits).';
 
-CREATE OR REPLACE FUNCTION public.helix_open_session(p_organization_id text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text, p_job_types text[], p_max_holders integer[], p_quota integer, p_share bigint, p_sessions_limit integer, p_locks_limit integer, p_place bigint DEFAULT NULL::bigint, p_shared boolean[] DEFAULT NULL::boolean[])
+CREATE OR REPLACE FUNCTION public.helix_open_session(p_organization_id text, p_holder text, p_ttl_ms bigint, p_metadata jsonb, p_idempotency_key text, p_job_types text[], p_max_holders integer[], p_quota integer, p_share bigint, p_sessions_limit integer, p_locks_limit integer, p_place bigint DEFAULT NULL::bigint, p_shared boolean[] DEFAULT NULL::boolean[], p_max_hold_ms bigint DEFAULT NULL::bigint)
  RETURNS SETOF helix_session_answer
  LANGUAGE plpgsql
  SECURITY DEFINER
@@ -1783,6 +1807,7 @@ CREATE OR REPLACE FUNCTION public.helix_open_session(p_organization_id text, p_h
 AS $function$
 DECLARE
     v_lease interval := helix_lease(p_ttl_ms);
+    v_max_hold interval := helix_max_hold(p_max_hold_ms);  -- NULL: no hold limit (0033)
     v_session helix_sessions%ROWTYPE;
     v_now timestamptz;
 BEGIN
@@ -1807,8 +1832,13 @@ BEGIN
         END IF;
     END IF;
     v_now := clock_timestamp();
-    INSERT INTO helix_sessions AS s (organization_id, holder, token, metadata, idempotency_key, created_at, expires_at)
-    VALUES (p_organization_id, p_holder, helix_new_token(), p_metadata, p_idempotency_key, v_now, v_now + v_lease)
+    INSERT INTO helix_sessions AS s (
+        organization_id, holder, token, metadata, idempotency_key, created_at, expires_at, hold_limit_at
+    )
+    VALUES (
+        p_organization_id, p_holder, helix_new_token(), p_metadata, p_idempotency_key, v_now,
+        v_now + least(v_lease, coalesce(v_max_hold, v_lease)), v_now + v_max_hold
+    )
     RETURNING s.* INTO v_session;
     PERFORM helix_grant_session_locks(
         v_session, p_job_types, p_max_holders, p_ttl_ms, p_quota, p_share, p_locks_limit, true, p_place, p_shared
@@ -1816,8 +1846,8 @@ BEGIN
     PERFORM helix_session_count_lock(v_session, p_sessions_limit);
     RETURN QUERY SELECT * FROM helix_session_answer(v_session.id, p_organization_id, false, false);
 END $function$;
-REVOKE EXECUTE ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer,bigint,boolean[]) FROM PUBLIC;
-COMMENT ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer,bigint,boolean[]) IS 'POST /v1/sessions: opens a session and grants its locks in one statement, all or none, or answers the open session of a repeat (same organization, holder and Idempotency-Key) unless it lost a lock; HL009 past the bound on open sessions. p_place: a waiting opening''s order number in its pairs'' queues (0029). p_shared: each lock''s mode, NULL for all exclusive (0031).';
+REVOKE EXECUTE ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer,bigint,boolean[],bigint) FROM PUBLIC;
+COMMENT ON FUNCTION helix_open_session(text,text,bigint,jsonb,text,text[],integer[],integer,bigint,integer,integer,bigint,boolean[],bigint) IS 'POST /v1/sessions: opens a session and grants its locks in one statement, all or none, or answers the open session of a repeat (same organization, holder and Idempotency-Key) unless it lost a lock; HL009 past the bound on open sessions. p_place: a waiting opening''s order number in its pairs'' queues (0029). p_shared: each lock''s mode, NULL for all exclusive (0031). p_max_hold_ms: the session''s hold limit, hold_limit_at = created_at + that, which no lease of it or of its locks passes (0033).';
 
 CREATE OR REPLACE FUNCTION public.helix_prune_history(p_older_than interval, p_batch integer)
  RETURNS integer
@@ -2158,6 +2188,12 @@ BEGIN
         RETURN QUERY SELECT * FROM helix_session_answer(p_session_id, p_organization_id, false, false);
         RETURN;
     END IF;
+    -- A session with a hold limit (0033) is renewed up to it, never past it, and not at all once
+    -- it has come: its lease ran out then, for good, and its locks are reclaimed as any.
+    IF v_session.hold_limit_at <= v_now THEN
+        RAISE EXCEPTION 'session % reached its hold limit at %', p_session_id, v_session.hold_limit_at
+            USING ERRCODE = 'HL012', DETAIL = json_build_object('hold_limit_at', v_session.hold_limit_at)::text;
+    END IF;
     v_lapsed := v_session.expires_at <= v_now;
     IF v_lapsed THEN
         PERFORM helix_session_count_lock(v_session, p_sessions_limit);
@@ -2165,7 +2201,7 @@ BEGIN
     -- A HOT update: nothing it changes is indexed. A lease that ran out (announced or not) is a
     -- lapse of every lock of the session, as a lock's renewal records its own.
     UPDATE helix_sessions AS s
-    SET expires_at = v_now + v_lease, renewed_at = v_now, renewed_xid = v_xid, changed_xid = v_xid,
+    SET expires_at = least(v_now + v_lease, coalesce(v_session.hold_limit_at, v_now + v_lease)), renewed_at = v_now, renewed_xid = v_xid, changed_xid = v_xid,
         lapses = CASE WHEN v_lapsed OR s.expired_xid IS NOT NULL
                       THEN array_append(s.lapses, s.expires_at) ELSE s.lapses END,
         lapse_xids = CASE WHEN v_lapsed OR s.expired_xid IS NOT NULL
@@ -2175,7 +2211,7 @@ BEGIN
     RETURN QUERY SELECT * FROM helix_session_answer(p_session_id, p_organization_id, v_lapsed, false);
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_renew_session(bigint,text,bigint,text,integer) FROM PUBLIC;
-COMMENT ON FUNCTION helix_renew_session(bigint,text,bigint,text,integer) IS 'POST /v1/sessions/{id}/renew: a new lease for the session, and so for each of its locks, by an update of its row alone (0028); lapsed: it had run out, and it counts against the bound on open sessions again (HL009). A session that lost a lock ends instead, its other locks released (session_state ended, end_reason lost).';
+COMMENT ON FUNCTION helix_renew_session(bigint,text,bigint,text,integer) IS 'POST /v1/sessions/{id}/renew: a new lease for the session, and so for each of its locks, by an update of its row alone (0028); lapsed: it had run out, and it counts against the bound on open sessions again (HL009). A session that lost a lock ends instead, its other locks released (session_state ended, end_reason lost). Up to the session''s hold limit at most, and after it not at all: HL012 (0033).';
 
 CREATE OR REPLACE FUNCTION public.helix_session_answer(p_session_id bigint, p_organization_id text, p_lapsed boolean, p_replayed boolean)
  RETURNS SETOF helix_session_answer
@@ -2200,14 +2236,14 @@ BEGIN
            CASE WHEN h.id IS NULL THEN NULL WHEN s.expires_at <= v_now THEN 'expired' ELSE 'held' END,
            CASE WHEN h.id IS NOT NULL
                 THEN greatest(0, floor(extract(epoch FROM s.expires_at - v_now) * 1000))::bigint END,
-           h.metadata, h.max_holders, h.slot, h.shared
+           h.metadata, h.max_holders, h.slot, h.shared, s.hold_limit_at
     FROM helix_sessions AS s
     LEFT JOIN helix_holds AS h ON h.organization_id = s.organization_id AND h.session_id = s.id
     WHERE s.id = p_session_id AND (p_organization_id IS NULL OR s.organization_id = p_organization_id)
     ORDER BY h.job_type COLLATE "C", h.slot;
 END $function$;
 REVOKE EXECUTE ON FUNCTION helix_session_answer(bigint,text,boolean,boolean) FROM PUBLIC;
-COMMENT ON FUNCTION helix_session_answer(bigint,text,boolean,boolean) IS 'A session (of the organization, unless NULL) and its unreleased locks, each with the session''s lease, one row per lock (one with NULL lock columns when it has none).';
+COMMENT ON FUNCTION helix_session_answer(bigint,text,boolean,boolean) IS 'A session (of the organization, unless NULL) and its unreleased locks, each with the session''s lease, one row per lock (one with NULL lock columns when it has none), with the session''s hold limit, which is each lock''s (0033).';
 
 CREATE OR REPLACE FUNCTION public.helix_session_count_lock(p_session helix_sessions, p_limit integer)
  RETURNS void

@@ -231,9 +231,12 @@ def run_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if len(args.job_type) > 1 and args.max_hold is not None:
+    if args.max_hold is not None and args.max_hold <= 2 * args.ttl:
+        # run stops COMMAND a grace and a margin before the limit: a limit within two leases would
+        # stop it at once, or nearly.
         print(
-            "helix-locks run: --max-hold takes one --job-type (a session has no hold limit yet)",
+            f"helix-locks run: --max-hold must be more than twice --ttl ({args.ttl:g} s): it is the longest"
+            " the command may hold the lock, and run stops it before then",
             file=sys.stderr,
         )
         return 2

@@ -242,6 +242,8 @@ class SessionGrant:
     ttl: float
     sent_at: float = field(repr=False)  # as Grant's
     body: OpenedSession = field(repr=False)
+    hold_limit_at: str | None = None  # as Grant's, the session's and each of its locks'
+    held_until: float | None = field(default=None, repr=False)
     kind = "sessions"
 
 
@@ -486,18 +488,27 @@ def _grant(body: Acquired, ttl: float, sent_at: float) -> Grant:
     )
 
 
-def _held_until(body: Acquired, sent_at: float) -> float | None:
-    """By this process's monotonic clock, when the lock's hold limit has surely come: the grant
-    was made after the request's send, so counting the limit from the send ends no later."""
+def _later(one: float | None, other: float | None) -> float | None:
+    """The later of two bounds of a hold limit, either of which may be unknown (None)."""
+    return other if one is None else one if other is None else max(one, other)
+
+
+def _held_until(body: Acquired | OpenedSession | Renewed, sent_at: float) -> float | None:
+    """By this process's monotonic clock, when the hold limit of a lock (or session) has surely
+    come: as long after the request's send as the answer put it after the answer's moment (its
+    lease's end and what was left of it, database times both), so no later than the service's."""
     hold_limit_at = body.get("hold_limit_at")
     if hold_limit_at is None:
         return None
-    held = datetime.fromisoformat(hold_limit_at) - datetime.fromisoformat(body["acquired_at"])
-    return sent_at + held.total_seconds()
+    beyond_lease = datetime.fromisoformat(hold_limit_at) - datetime.fromisoformat(body["expires_at"])
+    return sent_at + beyond_lease.total_seconds() + body["ttl_remaining_ms"] / 1000
 
 
 def _session_grant(body: OpenedSession, ttl: float, sent_at: float) -> SessionGrant:
-    return SessionGrant(body["id"], body["organization_id"], body["token"], ttl, sent_at, body)
+    return SessionGrant(
+        body["id"], body["organization_id"], body["token"], ttl, sent_at, body,
+        hold_limit_at=body.get("hold_limit_at"), held_until=_held_until(body, sent_at),
+    )  # fmt: skip
 
 
 def _given(**params: Any) -> dict[str, Any]:
@@ -660,7 +671,10 @@ class _Held:
             return "the lease may have lapsed: renewals did not succeed in time"
         return self._lost_reason
 
-    def _renewed(self, started: float) -> None:
+    def _renewed(self, started: float, held_until: float | None = None) -> None:
+        # Each answer bounds the hold limit from below (counted from its request's send): the
+        # latest bound is the tightest.
+        self._limit = _later(self._limit, held_until)
         self._deadline = self._bounded(started + self.grant.ttl)
 
     def _bounded(self, deadline: float) -> float:
@@ -860,6 +874,7 @@ class _Core:
         metadata: Mapping[str, Any] | None,
         wait: float,
         shared: Collection[str] = (),
+        max_hold: float | None = None,
     ) -> Flow[SessionGrant]:
         body: dict[str, Any] = {
             "organization_id": organization_id,
@@ -869,6 +884,8 @@ class _Core:
         }
         if metadata is not None:
             body["metadata"] = dict(metadata)
+        if max_hold is not None:
+            body["max_hold_seconds"] = max_hold
         return (yield from self._granted("/v1/sessions", body, ttl, wait, _session_grant))
 
     def _granted(
@@ -1046,22 +1063,29 @@ class _Core:
             return grant
         started = time.monotonic()
         try:
-            yield from self._renew(grant.id, grant.token, grant.ttl, max(grant.ttl / 3, 1.0), grant.kind)
+            renewed = yield from self._renew(
+                grant.id, grant.token, grant.ttl, max(grant.ttl / 3, 1.0), grant.kind
+            )
         except LockLost:
             raise
         except HelixError:
             with contextlib.suppress(HelixError):
                 yield from self._release(grant.id, grant.token, grant.kind)
             raise
-        return replace(grant, sent_at=started)
+        # The hold limit too, counted from this renewal's send: the wait is not taken from it.
+        return replace(
+            grant, sent_at=started, held_until=_later(grant.held_until, _held_until(renewed, started))
+        )
 
     def _renewal(self, lease: Lease | SessionLease) -> Flow[bool]:
         """One renewal of a held lease; False once the lease is lost (it says why)."""
         started = lease._sent = time.monotonic()
         grant = lease.grant
         try:
-            yield from self._renew(grant.id, grant.token, grant.ttl, max(lease.remaining, 0.1), grant.kind)
-            lease._renewed(started)
+            renewed = yield from self._renew(
+                grant.id, grant.token, grant.ttl, max(lease.remaining, 0.1), grant.kind
+            )
+            lease._renewed(started, _held_until(renewed, started))
         except LockLost as exc:
             lease._lose(str(exc))
             return False
@@ -1159,13 +1183,16 @@ class LockClient(_Core):
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0,
         shared: Collection[str] = (),
+        max_hold: float | None = None,
     ) -> SessionGrant:
         """Open a session holding the locks of `job_types`, all granted at once or none
         (LockHeld names the first that is held, as its `problem["job_type"]`); with `wait`, wait
         until all are free. The grant's id and token are the session's; renew it with
         renew_session, end it with end_session. The job types named in `shared` are taken as
         shared locks (readers), the others as exclusive ones."""
-        return self._run(self._open_session(organization_id, job_types, ttl, holder, metadata, wait, shared))
+        return self._run(
+            self._open_session(organization_id, job_types, ttl, holder, metadata, wait, shared, max_hold)
+        )
 
     def add_session_locks(
         self,
@@ -1202,11 +1229,12 @@ class LockClient(_Core):
         wait: float = 0,
         metadata: Mapping[str, Any] | None = None,
         shared: Collection[str] = (),
+        max_hold: float | None = None,
     ) -> Iterator[SessionLease]:
         """Hold all the locks of `job_types` for the block, in one session: renewed every ttl/3
         in a thread with one request for all of them, ended at the end. Its loss (a refused
         renewal, or renewals failing until it could lapse) shows as the lease's."""
-        grant = self.open_session(organization_id, job_types, ttl, holder, metadata, wait, shared)
+        grant = self.open_session(organization_id, job_types, ttl, holder, metadata, wait, shared, max_hold)
         lease = SessionLease(grant)
         stop = threading.Event()
         renewer = threading.Thread(
@@ -1428,10 +1456,11 @@ class AsyncLockClient(_Core):
         metadata: Mapping[str, Any] | None = None,
         wait: float = 0,
         shared: Collection[str] = (),
+        max_hold: float | None = None,
     ) -> SessionGrant:
         """As LockClient.open_session."""
         return await self._run(
-            self._open_session(organization_id, job_types, ttl, holder, metadata, wait, shared)
+            self._open_session(organization_id, job_types, ttl, holder, metadata, wait, shared, max_hold)
         )
 
     async def add_session_locks(
@@ -1466,9 +1495,12 @@ class AsyncLockClient(_Core):
         wait: float = 0,
         metadata: Mapping[str, Any] | None = None,
         shared: Collection[str] = (),
+        max_hold: float | None = None,
     ) -> AsyncIterator[SessionLease]:
         """As LockClient.session, renewed by a task."""
-        grant = await self.open_session(organization_id, job_types, ttl, holder, metadata, wait, shared)
+        grant = await self.open_session(
+            organization_id, job_types, ttl, holder, metadata, wait, shared, max_hold
+        )
         lease = SessionLease(grant)
         renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")
         try:

@@ -82,6 +82,9 @@ class SessionBody(TypedDict):
     state: SessionState
     # Its unreleased locks, in job type order.
     locks: list[Lock]
+    # Creation + max_hold_seconds: no lease of it or of its locks runs past it; None without a
+    # hold limit; absent from a service older than hold limits.
+    hold_limit_at: NotRequired[str | None]
 
 
 class OpenedSession(SessionBody):

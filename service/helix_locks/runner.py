@@ -180,7 +180,12 @@ def _run(
             )
         else:
             grant = client.open_session(
-                organization_id, job_types, ttl, wait=wait, shared=job_types if shared else ()
+                organization_id,
+                job_types,
+                ttl,
+                wait=wait,
+                shared=job_types if shared else (),
+                max_hold=max_hold,
             )
     except LockHeld as held:
         job_type = held.job_type or job_type

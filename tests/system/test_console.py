@@ -956,6 +956,54 @@ def test_lease_left_reads_in_minutes_and_hours(
 
 
 @needs_chromium
+def test_a_lock_s_hold_limit_shows_beside_its_lease_and_in_its_details_only_when_set(
+    db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
+) -> None:
+    """A lock acquired with max_hold_seconds: its row counts down to its hold limit under its lease
+    left, and its timeline bar names hold_limit_at; a lock without one shows neither."""
+    with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
+        limited = acquire(url, "nightly-report", "limited-worker", max_hold_seconds=3930)
+        plain = acquire(url, "export", "plain-worker")
+        assert limited["hold_limit_at"] and plain["hold_limit_at"] is None
+        open_console(browser, url)
+        wait_for(browser, lambda b: sorted(holders(b)) == ["limited-worker", "plain-worker"])
+
+        def hold_cells(b: Chrome, lock: dict[str, Any]) -> list[dict[str, str]]:
+            found: list[dict[str, str]] = b.execute_script(
+                "return [...document.querySelectorAll(`#lock-rows tr[data-lock-id='${arguments[0]}'] td.ttl"
+                " [data-mark=hold-limit]`)].map(mark => ({text: mark.textContent, title: mark.title}))",
+                lock["id"],
+            )
+            return found
+
+        def shown(b: Chrome) -> None:
+            [mark] = hold_cells(b, limited)
+            assert mark["text"] == "hold limit in 1 h 5 min", mark  # 3930 s, counted down from the grant
+            assert mark["title"].startswith(f"hold limit {limited['hold_limit_at']}"), mark
+            assert hold_cells(b, plain) == [], "only a lock with a hold limit shows one"
+            ttl: str = b.execute_script(
+                "const cell = document.querySelector(`#lock-rows tr[data-lock-id='${arguments[0]}'] td.ttl`);"
+                "return cell.firstChild.textContent",
+                limited["id"],
+            )
+            assert re.fullmatch(r"4 min [0-5]?\d s|5 min 0 s", ttl), ttl  # the lease left, as before
+
+        at_widths(browser, shown, artifacts, "console-hold-limit", "#lock-rows td.ttl")
+
+        # The lock's details (its timeline bar) name the limit; the plain lock's do not.
+        click(browser, f"#lock-rows tr[data-lock-id='{limited['id']}'] button.key")
+        held = wait_for(browser, lambda b: bar(b, "held"))
+        assert held["id"] == str(limited["id"]), held
+        assert f"\nhold limit {limited['hold_limit_at']}: no lease runs past it" in held["title"], held
+        click(browser, f"#lock-rows tr[data-lock-id='{plain['id']}'] button.key")
+        other = wait_for(
+            browser, lambda b: (found := bar(b, "held")) and found["id"] == str(plain["id"]) and found
+        )
+        assert "hold limit" not in other["title"], other
+        assert errors(browser) == []
+
+
+@needs_chromium
 def test_identifiers_never_break_inside(
     db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
 ) -> None:

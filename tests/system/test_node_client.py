@@ -53,7 +53,7 @@ def service(db_url: str, tmp_path: Path) -> Iterator[Service]:
 
 # The node --test suites in clients/node/test, each against a service of its own: kill.test.mjs
 # SIGKILLs the one it is given.
-SUITES = ["client", "faults", "hostile", "loss", "kill"]
+SUITES = ["client", "faults", "hostile", "loss", "hold", "kill"]
 
 
 @pytest.mark.parametrize("suite", SUITES)

@@ -161,6 +161,8 @@ REFUSED = {
     ("0029_a_fair_queue.sql", "e5a0e9f684ab7b60523bafe74e1e32d567a206ea5b7b7f7a0a1bba2c87401b89"),
     # Never landed: the quota's acquires called the replay check without an Idempotency-Key too.
     ("0032_shared_locks_reviewed.sql", "b85eb4504ad79081f78f1e55ee2d799370e8026417ded349677b220bb5294c85"),
+    # Never landed: hold limits of locks on their own only, before sessions had them.
+    ("0033_hold_limits.sql", "ca26fac8b34b728bacb18bc0219ecb0285a0819b65403dde54a18efecf24d306"),
 }
 
 

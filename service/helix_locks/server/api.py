@@ -671,6 +671,7 @@ async def open_session(
             key,
             _wanted(body.locks),
             place,
+            None if body.max_hold_seconds is None else ttl_ms(body.max_hold_seconds),
         )
 
     async def release(opened: Session) -> None:
@@ -801,7 +802,7 @@ async def _wait_for_set(
     operation_id="renewSession",
     openapi_extra=BEARER_REQUIRED,
     response_description="The session with its new expires_at, which each of its locks shares.",
-    responses=problems.responses(*SESSION_HOLDER_PROBLEMS, UnsupportedMediaType),
+    responses=problems.responses(*SESSION_HOLDER_PROBLEMS, UnsupportedMediaType, HoldLimitReached),
 )
 async def renew_session(
     request: Request, session_id: SessionIdPath, token: SessionToken, body: RenewRequest
@@ -813,7 +814,7 @@ async def renew_session(
     id_ = known_session_id(session_id)
     renewed = await services(request).sessions.renew(session.caller, id_, token, ttl_ms(body.ttl_seconds))
     outcome(request.scope).result = "renewed"
-    logs.bind(lapsed=renewed.lapsed)
+    logs.bind(lapsed=renewed.lapsed, limited=renewed.limited)
     return json_body(SessionRenewalBody.of(renewed))
 
 

@@ -286,10 +286,10 @@ KINDS: Mapping[type[LockError], Kind] = {
         410,
         "hold-limit-reached",
         "Hold limit reached",
-        "The lock's hold limit (max_hold_seconds at its acquire) has come: its lease ended then, and"
-        " it is renewed no more. The next acquire of the key reclaims it.",
+        "The hold limit (max_hold_seconds) of the lock, or of the session, has come: its lease ended"
+        " then, and it is renewed no more. The next acquire of each key reclaims its lock.",
         HoldLimitReached(_EXPIRES),
-        lambda exc: f"The lock reached its hold limit at {exc.hold_limit_at.isoformat()}.",
+        lambda exc: f"The hold limit came at {exc.hold_limit_at.isoformat()}.",
         fields=lambda exc: {"hold_limit_at": exc.hold_limit_at},
     ),
     SessionNotFound: Kind(

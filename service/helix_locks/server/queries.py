@@ -135,7 +135,8 @@ WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope
 # its unreleased locks each (one row with NULL lock columns when it has none).
 _SESSION = (
     """session_id, session_token, session_organization_id, session_holder, session_expires_at,
-session_ttl_remaining_ms, session_state, session_ended_at, session_end_reason, lapsed, replayed, shared, """
+session_ttl_remaining_ms, session_state, session_ended_at, session_end_reason, lapsed, replayed, shared,
+hold_limit_at, """
     + LOCK
 )
 OPEN_SESSION = (
@@ -143,7 +144,8 @@ OPEN_SESSION = (
     + _SESSION
     + """ FROM helix_open_session(
     %(organization_id)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(job_types)s,
-    %(max_holders)s, %(quota)s, %(share)s, %(sessions_limit)s, %(locks_limit)s, %(place)s, %(shared)s
+    %(max_holders)s, %(quota)s, %(share)s, %(sessions_limit)s, %(locks_limit)s, %(place)s, %(shared)s,
+    %(max_hold_ms)s
 )"""
 )
 ADD_SESSION_LOCKS = (
@@ -236,13 +238,10 @@ LIMIT 1
 # (HL005 once the share is gone or past its time), and the count that hands a process its share.
 # Near it: the same acquire, counted and granted one at a time per organization; HL004 beyond the
 # quota.
-# A grant's hold limit (migration 0033): the statement's snapshot does not show the hold the call
-# inserted, so a fresh grant's is computed as the function computed it; a repeat answered with a
-# lock granted before reads that lock's own.
-_GRANT_HOLD_LIMIT = """CASE WHEN EXISTS (SELECT FROM helix_holds AS h WHERE h.id = g.id)
-            THEN (SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = g.id)
-            ELSE g.acquired_at + %(max_hold_ms)s::bigint * interval '1 millisecond'
-       END AS hold_limit_at"""
+# A grant's hold limit (migration 0033), read by a function with a snapshot of its own: the
+# statement's snapshot shows neither the hold its call inserted nor the first grant a repeat that
+# waited for it is answered with.
+_GRANT_HOLD_LIMIT = "helix_hold_limit_of(g.id, g.organization_id) AS hold_limit_at"
 ACQUIRE_ON_SHARE = (
     "SELECT "
     + LOCK

@@ -740,6 +740,14 @@ class OpenSessionRequest(BaseModel):
             " (none is held meanwhile); 409 when the wait runs out."
         ),
     ] = 0
+    max_hold_seconds: Annotated[
+        MaxHoldSeconds,
+        Field(
+            description="A hold limit in seconds, 1 to 604800, counted from the session's creation:"
+            " no lease of the session, nor of any of its locks (those added later too), runs past"
+            " hold_limit_at. Default: none."
+        ),
+    ] = None
 
 
 class AddSessionLocksRequest(BaseModel):
@@ -775,11 +783,22 @@ class SessionBody(BaseModel):
         examples=["held"],
     )
     locks: list[LockBody] = Field(description="Its unreleased locks, in job type order.")
+    hold_limit_at: datetime | None = Field(
+        default=None,
+        description="Creation + max_hold_seconds: no lease of the session or of its locks runs past"
+        " it, and after it no renewal is granted (410 hold-limit-reached); null without a hold limit.",
+        examples=[None],
+    )
 
     @classmethod
     def of(cls, session: Session) -> Self:
         return cls.model_validate(
-            {**vars(session), "locks": [LockBody.of(lock) for lock in session.locks]}, from_attributes=True
+            {
+                **vars(session),
+                "limited": session.limited,
+                "locks": [LockBody.of(lock) for lock in session.locks],
+            },
+            from_attributes=True,
         )
 
 
@@ -799,5 +818,11 @@ class SessionRenewalBody(SessionBody):
     lapsed: bool = Field(
         description="Whether the session's lease had run out before this renewal (nobody had reclaimed"
         " a lock of it).",
+        examples=[False],
+    )
+    limited: bool = Field(
+        default=False,
+        description="The new lease ends at the session's hold limit (hold_limit_at), sooner than"
+        " ttl_seconds asked or just as it asked: no renewal takes it further.",
         examples=[False],
     )

@@ -40,6 +40,13 @@ class Session:
     token: str  # shown only to whoever opened it
     lapsed: bool  # a renewal found its lease run out (nobody having reclaimed a lock of it)
     replayed: bool  # an Idempotency-Key repeat answered with the open session
+    # No lease of it (nor of its locks) runs past it (max_hold_seconds, migration 0033); None: none.
+    hold_limit_at: datetime | None = None
+
+    @property
+    def limited(self) -> bool:
+        """Whether its lease ends at its hold limit: no renewal takes it further."""
+        return self.hold_limit_at is not None and self.expires_at >= self.hold_limit_at
 
     @classmethod
     def from_rows(cls, rows: list[DictRow]) -> Session:
@@ -61,6 +68,7 @@ class Session:
             token=first["session_token"],
             lapsed=first["lapsed"],
             replayed=first["replayed"],
+            hold_limit_at=utc(first["hold_limit_at"]),
         )
 
 
@@ -112,6 +120,7 @@ class Sessions:
         idempotency_key: str | None,
         locks: Wanted,
         place: Place | None = None,
+        max_hold_ms: int | None = None,
     ) -> Session:
         """Open a session with its locks, all granted or none (LockHeld, WaitersAhead,
         MaxHoldersMismatch naming the first pair in job type order that cannot be granted,
@@ -126,6 +135,7 @@ class Sessions:
             "idempotency_key": idempotency_key,
             "sessions_limit": self.sessions_limit,
             "place": None if place is None else place.id,
+            "max_hold_ms": max_hold_ms,
             **self._wanted(locks),
         }
         opened = Session.from_rows(await self._granting(organization_id, queries.OPEN_SESSION, params))

@@ -23,7 +23,7 @@ export const state = {
   startFailures: 0, // failed first listings in a row, for the backoff of start()
   metricsTimer: null,
   view: { filter: '', sortKey: 'organization_id', sortDir: 1, page: 0 },
-  renderedRows: [], // [{entry, ttlCell, ageCell, stateCell}] of the page on screen
+  renderedRows: [], // [{entry, ttlText, holdCell, ageCell, stateCell}] of the page on screen
   timeline: null, // {org, job, windowMs, start, end, follow, chosen}
   timelineAbort: null, // stops the open timeline's history reading
   queueTimer: null, // the next reading of the open timeline's queue
@@ -50,6 +50,19 @@ export function noteClock(items, perfAt) {
 
 export function ttlLeft(entry) {
   return Math.max(0, entry.lock.ttl_remaining_ms - (performance.now() - entry.seen));
+}
+
+// The time left until a lock's hold limit (hold_limit_at), or null when it has none: by the
+// database's clock as the lock's own answer gave it (the limit less its expires_at, plus the lease
+// left), and by the page's estimate of that clock once its lease has run out.
+export function holdLeft(entry) {
+  const lock = entry.lock;
+  if (!lock.hold_limit_at) return null;
+  const limit = Date.parse(lock.hold_limit_at);
+  const left = lock.ttl_remaining_ms > 0
+    ? limit - Date.parse(lock.expires_at) + lock.ttl_remaining_ms - (performance.now() - entry.seen)
+    : limit - serverNow();
+  return Math.max(0, left);
 }
 
 export function age(lock) {

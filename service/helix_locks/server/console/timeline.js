@@ -151,6 +151,7 @@ function lockTitle(lock, kind, gapMs) {
     `acquired ${lock.acquired_at}`,
     `expires ${lock.expires_at}`,
   ];
+  if (lock.hold_limit_at) lines.push(`hold limit ${lock.hold_limit_at}: no lease runs past it`);
   if (lock.released_at) lines.push(`released ${lock.released_at} (${lock.release_reason})`);
   if (lock.forced_by) lines.push(`forced by the admin key ${lock.forced_by}`);
   if (lock.session_id) lines.push(`in session ${lock.session_id}, whose lease it shares`);
