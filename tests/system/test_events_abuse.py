@@ -27,7 +27,7 @@ from helix_locks.server.keys import ANONYMOUS, Caller, KeyRing
 from tests.support import FAST, ROUTE, insert_ended, replicas
 from tests.system.test_events import acquire, event_hub, event_ids, release
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 
 # A forged Last-Event-ID whose snapshot PostgreSQL refuses is refused (422) for that request

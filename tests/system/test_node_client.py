@@ -27,6 +27,8 @@ from harness.processes import running_service
 from helix_locks.server import keys
 from tests.support import ROUTE
 
+pytestmark = pytest.mark.slow
+
 ORG = "acme"
 
 

@@ -34,6 +34,8 @@ import sys
 import helix_locks
 from helix_locks import LockClient
 
+pytestmark = pytest.mark.slow
+
 with LockClient(sys.argv[1]) as client, client.lock("acme", "packaged", ttl=10) as lease:
     print(helix_locks.__version__, lease.fencing_token)
 """

@@ -20,7 +20,10 @@ BLOCK = re.compile(
     r"(?:<!-- not run: (?P<skip>[^>]*) -->\n)?```(?P<language>sh|python)\n(?P<code>.*?)```", re.S
 )
 
-pytestmark = pytest.mark.skipif(shutil.which("jq") is None, reason="the curl session needs jq")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("jq") is None, reason="the curl session needs jq"),
+]
 
 
 def blocks() -> list[tuple[str, str, str | None]]:

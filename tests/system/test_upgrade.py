@@ -27,6 +27,8 @@ from harness.processes import run_helix, running_service
 from helix_locks.server.migrate import EARLIER_CHECKSUMS, Migration, load, migrations_in
 from tests.support import ROUTE
 
+pytestmark = pytest.mark.slow
+
 HOT = ("acme", "upgrade-hot")
 BUILDS = {
     # Migrations 0001 to 0018: the upgrade applies 0019 to 0022 while it serves.
