@@ -244,7 +244,9 @@ console.log(JSON.stringify({ held, second: grant.fencingToken, after }));
 """
 
 CONSUMER_TYPES = """
-import { LockClient, LockHeldError, LockLostError, type Lease, type Lock, type LockMode } from "helix-locks";
+import {
+  HoldLimitError, LockClient, LockHeldError, LockLostError, type Lease, type Lock, type LockMode,
+} from "helix-locks";
 
 const client: LockClient = new LockClient({ url: "http://127.0.0.1:8080" });
 export async function work(): Promise<number> {
@@ -264,6 +266,15 @@ export const reader: Promise<LockMode> = client
 // @ts-expect-error: a lock's mode is exclusive or shared
 client.acquire({ organizationId: "acme", jobType: "typed", mode: "read" });
 client.openSession({ organizationId: "acme", jobTypes: ["a", "b"], shared: ["a"] });
+const bounded = { organizationId: "acme", jobType: "typed", maxHoldSeconds: 3600 };
+export const limit: Promise<string | null> = client
+  .withLock(bounded, (lease: Lease) => lease.holdLimitAt)
+  .catch((error: unknown) => (error instanceof HoldLimitError ? error.holdLimitAt : null));
+// @ts-expect-error: a hold limit is a number of seconds
+client.acquire({ organizationId: "acme", jobType: "typed", maxHoldSeconds: "1h" });
+export const sessionLimit: Promise<string | null> = client
+  .openSession({ organizationId: "acme", jobTypes: ["a"], maxHoldSeconds: 60 })
+  .then((grant) => grant.holdLimitAt);
 """
 
 

@@ -8,6 +8,7 @@ import { hostname, userInfo } from "node:os";
 import {
   ApiError,
   HelixLocksError,
+  HoldLimitError,
   LockHeldError,
   LockLostError,
   MaxHoldersMismatchError,
@@ -54,6 +55,39 @@ const PROBLEM = "urn:helix-locks:problem:";
 
 const now = (): number => performance.now();
 
+/** What an answer about a held lease says of its end: a lock's, or a session's. */
+interface LeaseAnswer {
+  expires_at: string;
+  ttl_remaining_ms: number;
+  hold_limit_at?: string | null;
+  acquired_at?: string;
+}
+
+/** Milliseconds since the epoch of a time the service sent (RFC 3339), to the microsecond it
+ * gives (Date.parse alone keeps milliseconds); NaN for anything else. */
+function serviceTime(text: unknown): number {
+  const match = typeof text === "string" ? /^(.+T\d{2}:\d{2}:\d{2})(\.\d+)?(Z|[+-]\d{2}:\d{2})$/i.exec(text) : null;
+  if (match === null) return Number.NaN;
+  return Date.parse(`${match[1]}${match[3]}`) + Number(`0${match[2] ?? ""}`) * 1000;
+}
+
+/**
+ * performance.now() by which the hold limit the answer names has surely come, or null when it
+ * names none. Counted from `sentAt`, the send of the request it answers, by the answer's own times
+ * (database times, never this machine's wall clock): the limit is (hold_limit_at - expires_at) +
+ * ttl_remaining_ms after the moment the database answered, which came after the send. A lock's
+ * grant (`granted`) puts it no more than its hold (hold_limit_at - acquired_at) after the send. A
+ * limit that cannot be read counts as come at the send.
+ */
+function heldUntil(answer: LeaseAnswer, sentAt: number, granted = false): number | null {
+  const limit = answer.hold_limit_at;
+  if (limit === undefined || limit === null) return null;
+  const at = serviceTime(limit);
+  let left = at - serviceTime(answer.expires_at) + answer.ttl_remaining_ms;
+  if (granted && answer.acquired_at !== undefined) left = Math.min(left, at - serviceTime(answer.acquired_at));
+  return sentAt + (Number.isFinite(left) ? Math.max(left, 0) : 0);
+}
+
 /** What renew, update and release need of a held lock: a Grant, or `{ id, token }`. */
 export interface LockRef {
   readonly id: number;
@@ -67,6 +101,8 @@ interface Renewable extends LockRef {
   readonly ttl: number;
   /** performance.now() from which the lease is counted. */
   readonly sentAt: number;
+  /** performance.now() by which its hold limit has surely come, or null: none. */
+  readonly heldUntil: number | null;
 }
 
 export interface LockClientOptions {
@@ -159,6 +195,23 @@ function anySignal(signals: Array<AbortSignal | undefined>): { signal: AbortSign
     listeners.push([signal, listener]);
   }
   return { signal: controller.signal, dispose };
+}
+
+/** Resolves once any of the signals has aborted. */
+function aborted(signals: AbortSignal[]): Promise<void> {
+  const any = anySignal(signals);
+  return new Promise((resolve) => {
+    if (any.signal.aborted) {
+      any.dispose();
+      resolve();
+      return;
+    }
+    const listener = (): void => {
+      any.dispose();
+      resolve();
+    };
+    any.signal.addEventListener("abort", listener, { once: true });
+  });
 }
 
 /** Resolves after `ms`, or rejects with the signal's reason when it aborts first. */
@@ -254,6 +307,9 @@ function raiseFor(answer: Answer, holding: boolean): void {
   }
   if (answer.status === 410 || (holding && GONE.has(answer.status))) {
     const detail = problem.detail ?? problem.title ?? "";
+    if (answer.status === 410 && problem.type === `${PROBLEM}hold-limit-reached`) {
+      throw new HoldLimitError(`410: ${detail || "the lock's hold limit has come"}`, { problem });
+    }
     throw new LockLostError(`${answer.status}: ${detail}`.trim(), { problem });
   }
   throw apiError(answer);
@@ -310,6 +366,12 @@ export class Grant implements LockRef {
   readonly lock: Lock;
   /** performance.now() from which the lease is counted: when the acquire was sent. */
   readonly sentAt: number;
+  /** The lock's hold limit (`maxHoldSeconds`), as the service sent it (hold_limit_at), or null:
+   * none. No lease of the lock runs past it, however it is renewed. */
+  readonly holdLimitAt: string | null;
+  /** performance.now() by which the hold limit has surely come, counted from the acquire's send
+   * by the answer's database times; null without one. */
+  readonly heldUntil: number | null;
   readonly #token: string;
 
   constructor(answer: Acquired, ttl: number, sentAt: number) {
@@ -329,6 +391,8 @@ export class Grant implements LockRef {
     // The grant was made after the request was sent, so a lease counted from the send never ends
     // after the service's. (Not from the answer's ttl_remaining_ms: the answer may be read late.)
     this.sentAt = sentAt;
+    this.holdLimitAt = answer.hold_limit_at ?? null; // absent from a service older than hold limits
+    this.heldUntil = heldUntil(answer, sentAt, true);
   }
 
   /** The secret that proves ownership (Lock-Token). Not an own property: a logged or
@@ -354,6 +418,12 @@ export class SessionGrant implements Renewable {
   readonly session: SessionBody;
   /** performance.now() from which the lease is counted: when the session was asked for. */
   readonly sentAt: number;
+  /** The session's hold limit (`maxHoldSeconds`), as the service sent it (hold_limit_at), or null:
+   * none. No lease of the session runs past it, nor so of any of its locks. */
+  readonly holdLimitAt: string | null;
+  /** performance.now() by which the hold limit has surely come, counted from the opening's send
+   * by the answer's database times; null without one. */
+  readonly heldUntil: number | null;
   readonly #token: string;
 
   constructor(answer: OpenedSession, ttl: number, sentAt: number) {
@@ -367,6 +437,8 @@ export class SessionGrant implements Renewable {
     this.locks = Object.fromEntries(answer.locks.map((lock) => [lock.job_type, lock]));
     this.fencingTokens = Object.fromEntries(answer.locks.map((lock) => [lock.job_type, lock.fencing_token]));
     this.sentAt = sentAt;
+    this.holdLimitAt = answer.hold_limit_at ?? null; // absent from a service older than hold limits
+    this.heldUntil = heldUntil(answer, sentAt);
   }
 
   /** The secret of the session and of each of its locks (Lock-Token); not an own property. */
@@ -378,14 +450,20 @@ export class SessionGrant implements Renewable {
 /**
  * A held lock or session, renewed in the background every ttl/3: its signal, its clock and its
  * renewals. `A` is what the service answers about it (a lock, a session).
+ *
+ * A hold limit is the end of every lease: the lease ends at the earlier of a ttl after the latest
+ * successful renewal's send and the limit (`heldUntil`, counted from the send of the latest answer
+ * that named it), and the signal aborts a safety margin before that. A lease the limit makes
+ * shorter than its ttl has the margin of a lease that long.
  */
-abstract class Held<G extends Renewable, A> {
+abstract class Held<G extends Renewable, A extends LeaseAnswer> {
   readonly grant: G;
   protected readonly client: LockClient;
   protected readonly controller = new AbortController();
   readonly #stop = new AbortController();
   readonly #safetyMs: number;
   #renewedAt: number; // performance.now() when the latest successful renewal (or the grant) was sent
+  #limitAt: number | null; // performance.now() by which the hold limit has surely come; null: none
   #timer: ReturnType<typeof setTimeout> | undefined;
   protected answer: A;
 
@@ -393,8 +471,11 @@ abstract class Held<G extends Renewable, A> {
     this.grant = grant;
     this.client = client;
     this.answer = renewed?.answer ?? first;
-    this.#safetyMs = Math.max(MIN_SAFETY_MS, grant.ttl * 1000 * SAFETY_FRACTION);
+    const ttlMs = grant.ttl * 1000;
+    const leaseMs = grant.heldUntil === null ? ttlMs : Math.min(ttlMs, grant.heldUntil - grant.sentAt);
+    this.#safetyMs = Math.max(MIN_SAFETY_MS, leaseMs * SAFETY_FRACTION);
     this.#renewedAt = renewed?.sentAt ?? grant.sentAt;
+    this.#limitAt = (renewed && heldUntil(renewed.answer, renewed.sentAt)) ?? grant.heldUntil;
     this.#arm();
   }
 
@@ -418,9 +499,20 @@ abstract class Held<G extends Renewable, A> {
     return signal.aborted ? (signal.reason as LockLostError) : null;
   }
 
-  /** Seconds until the lease could lapse by this process's clock, less the safety margin. */
+  /** Seconds until the lease could lapse (or its hold limit come) by this process's clock, less
+   * the safety margin. */
   get remaining(): number {
     return (this.#deadline() - this.#safetyMs - now()) / 1000;
+  }
+
+  /** Whether the lease ends at the hold limit: no renewal takes it further, so none is sent. */
+  protected get limited(): boolean {
+    return this.#limitAt !== null && this.#limitAt <= this.#renewedAt + this.grant.ttl * 1000;
+  }
+
+  /** The hold limit as the service sent it, or null. */
+  protected get limit(): string | null {
+    return this.answer.hold_limit_at ?? null;
   }
 
   /** Throws the LockLostError unless the lock is surely still held. */
@@ -435,6 +527,11 @@ abstract class Held<G extends Renewable, A> {
     const stop = this.#stop.signal;
     let sent = this.#renewedAt;
     for (;;) {
+      if (this.limited) {
+        // The lease ends at the hold limit, and no renewal takes it past: the clock ends it.
+        await aborted([stop, this.controller.signal]);
+        return;
+      }
       try {
         // Every ttl/3 from the previous renewal's send, however long its answer took.
         await sleep(Math.max(sent + period - now(), 0), stop);
@@ -478,17 +575,27 @@ abstract class Held<G extends Renewable, A> {
   #renewed(started: number, answer: A): void {
     if (this.lost) return; // a lease counted lost stays lost
     this.answer = answer;
-    this.#renewedAt = Math.max(this.#renewedAt, started);
+    if (started >= this.#renewedAt) {
+      this.#renewedAt = started;
+      // The latest answer's count of the hold limit: from the latest send, the least clock drift.
+      this.#limitAt = heldUntil(answer, started) ?? this.#limitAt;
+    }
     this.#arm();
   }
 
-  /** performance.now() when the lease could lapse: a ttl after the latest successful renewal's send. */
+  /** performance.now() when the lease could lapse: a ttl after the latest successful renewal's
+   * send, or the hold limit if that comes first. */
   #deadline(): number {
-    return this.#renewedAt + this.grant.ttl * 1000;
+    const end = this.#renewedAt + this.grant.ttl * 1000;
+    return this.#limitAt === null ? end : Math.min(end, this.#limitAt);
   }
 
   #checkClock(): void {
-    if (!this.controller.signal.aborted && now() >= this.#deadline() - this.#safetyMs) {
+    if (this.controller.signal.aborted || now() < this.#deadline() - this.#safetyMs) return;
+    if (this.limited) {
+      const at = this.limit ?? "the time the service named";
+      this._lose(new HoldLimitError(`the hold limit comes at ${at}: no lease runs past it`, { holdLimitAt: this.limit }));
+    } else {
       this._lose(new LockLostError("the lease may have lapsed: renewals did not succeed in time"));
     }
   }
@@ -509,8 +616,10 @@ abstract class Held<G extends Renewable, A> {
  *
  * `signal` aborts, with a LockLostError as its reason, the moment the lock may be lost: a renewal
  * refused (410, 403, 404), or the lease's safety margin (a tenth of the ttl, at least 100 ms)
- * reached on this process's monotonic clock because renewals did not succeed in time. It also
- * aborts once withLock has released the lock.
+ * reached on this process's monotonic clock because renewals did not succeed in time. With a hold
+ * limit (`maxHoldSeconds`), the limit is the end of the lease, however renewals go: the signal
+ * aborts a safety margin before it (a tenth of the shorter of the ttl and the hold), with a
+ * HoldLimitError. It also aborts once withLock has released the lock.
  */
 export class Lease extends Held<Grant, Lock> {
   /** Made by LockClient.withLock; use `client.withLock`, not this. */
@@ -537,6 +646,17 @@ export class Lease extends Held<Grant, Lock> {
   /** exclusive, or shared (a reader, held beside the key's other readers). */
   get mode(): LockMode {
     return this.grant.mode;
+  }
+
+  /** The lock's hold limit (hold_limit_at, as the service sent it), or null: none. */
+  get holdLimitAt(): string | null {
+    return this.grant.holdLimitAt;
+  }
+
+  /** Whether the lease ends at the hold limit: no renewal takes it further (none is sent), and the
+   * signal aborts the safety margin before it. */
+  get atHoldLimit(): boolean {
+    return this.limited;
   }
 
   /** The latest lock object the service answered: at the grant, or at the latest renewal or update. */
@@ -572,7 +692,8 @@ export class Lease extends Held<Grant, Lock> {
 /**
  * A held session (all its locks), renewed in the background every ttl/3 with one request while
  * withSession's callback runs; `signal` aborts as a Lease's does, the moment any of its locks may
- * be lost (the service ends a session that lost one, releasing the rest).
+ * be lost (the service ends a session that lost one, releasing the rest), and before the session's
+ * hold limit (`maxHoldSeconds`), with a HoldLimitError.
  */
 export class SessionLease extends Held<SessionGrant, SessionBody> {
   /** Made by LockClient.withSession; use `client.withSession`, not this. */
@@ -597,6 +718,17 @@ export class SessionLease extends Held<SessionGrant, SessionBody> {
   /** The latest session object the service answered. */
   get session(): SessionBody {
     return this.answer;
+  }
+
+  /** The session's hold limit (hold_limit_at, as the service sent it), or null: none. */
+  get holdLimitAt(): string | null {
+    return this.grant.holdLimitAt;
+  }
+
+  /** Whether the lease ends at the hold limit: no renewal takes it further (none is sent), and the
+   * signal aborts the safety margin before it. */
+  get atHoldLimit(): boolean {
+    return this.limited;
   }
 
   protected renewOnce(options: { within: number; signal: AbortSignal }): Promise<SessionBody> {
@@ -670,7 +802,9 @@ export class LockClient {
    * with. Rejects with LockLostError when the lock was lost meanwhile (its `cause` is `fn`'s own
    * error, if `fn` failed otherwise), with `fn`'s error otherwise, and with the acquire's error
    * (LockHeldError, MaxHoldersMismatchError, UnavailableError, ApiError) without calling `fn`.
-   * A release that fails otherwise than by the lock being lost leaves the lease to lapse.
+   * A release that fails otherwise than by the lock being lost leaves the lease to lapse. With
+   * `maxHoldSeconds`, the lease's signal aborts before the lock's hold limit, as before a lease's
+   * end, and withLock rejects with a HoldLimitError (a LockLostError) however the renewals went.
    */
   async withLock<T>(options: AcquireOptions, fn: (lease: Lease) => T | Promise<T>): Promise<T> {
     if (typeof fn !== "function") throw new TypeError("withLock needs a function to run while holding the lock");
@@ -686,6 +820,7 @@ export class LockClient {
    * `wait`, it waits until all are free), renewed every ttl/3 with one request for all of them,
    * and ended (every lock released) when `fn` settles, unless lost. Settles as withLock does. The
    * job types named in `shared` are held as shared locks (readers), the others as exclusive ones.
+   * With `maxHoldSeconds`, the signal aborts before the session's hold limit, as withLock's does.
    */
   async withSession<T>(options: SessionOptions, fn: (session: SessionLease) => T | Promise<T>): Promise<T> {
     if (typeof fn !== "function") throw new TypeError("withSession needs a function to run while holding the locks");
@@ -699,7 +834,7 @@ export class LockClient {
     return this.#holding(lease, fn, (within) => this.endSession(grant, { within }), "withSession");
   }
 
-  async #holding<L extends Held<Renewable, unknown>, T>(
+  async #holding<L extends Held<Renewable, LeaseAnswer>, T>(
     lease: L,
     fn: (lease: L) => T | Promise<T>,
     release: (within: number) => Promise<void>,
@@ -721,7 +856,10 @@ export class LockClient {
       const reason = lease.lostReason;
       if (reason === null) return null;
       if (!failed || failure === reason) return reason;
-      return new LockLostError(reason.message, { problem: reason.problem, cause: failure });
+      const options = { problem: reason.problem, cause: failure };
+      return reason instanceof HoldLimitError
+        ? new HoldLimitError(reason.message, { ...options, holdLimitAt: reason.holdLimitAt })
+        : new LockLostError(reason.message, options);
     };
     const before = lost();
     if (before !== null) throw before; // a lost lock is not released: it may be another's now
@@ -769,10 +907,11 @@ export class LockClient {
    * grant. MaxHoldersMismatchError at once when the key's held locks share another `maxHolders`.
    * `mode: "shared"`: a reader, held beside the key's other readers (each with a lease of its own)
    * and never beside an exclusive lock, which waits for every reader; a reader waits behind a
-   * waiting writer (LockHeldError `waiters-ahead` without `wait`).
+   * waiting writer (LockHeldError `waiters-ahead` without `wait`). With `maxHoldSeconds`, a hold
+   * limit: no lease of the lock runs past `grant.holdLimitAt`, however it is renewed.
    */
   async acquire(options: AcquireOptions): Promise<Grant> {
-    const { organizationId, jobType, holder, metadata, mode } = options;
+    const { organizationId, jobType, holder, metadata, mode, maxHoldSeconds } = options;
     const ttl = options.ttl ?? 30;
     const maxHolders = options.maxHolders ?? 1;
     const body: Record<string, unknown> = {
@@ -784,6 +923,7 @@ export class LockClient {
     if (metadata !== undefined) body.metadata = metadata;
     if (maxHolders !== 1) body.max_holders = maxHolders; // an older service gets the same body
     if (mode !== undefined && mode !== "exclusive") body.mode = mode; // likewise: the default is not sent
+    if (maxHoldSeconds !== undefined && maxHoldSeconds !== null) body.max_hold_seconds = maxHoldSeconds; // likewise
     const { answer, started } = await this.#granted("/v1/locks", body, ttl, options.wait ?? 0, options.signal);
     return new Grant(answer as Acquired, ttl, started);
   }
@@ -792,10 +932,12 @@ export class LockClient {
    * Open a session holding the locks of `jobTypes`, all granted at once or none (LockHeldError
    * names the first pair held as `jobType`); with `wait`, wait until all are free. The grant's id
    * and token are the session's: renew it with renewSession, end it with endSession. The job types
-   * named in `shared` are taken as shared locks (readers), the others as exclusive ones.
+   * named in `shared` are taken as shared locks (readers), the others as exclusive ones. With
+   * `maxHoldSeconds`, a hold limit from the opening: no lease of the session runs past
+   * `grant.holdLimitAt`, nor so of any of its locks.
    */
   async openSession(options: SessionOptions): Promise<SessionGrant> {
-    const { organizationId, jobTypes, holder, metadata } = options;
+    const { organizationId, jobTypes, holder, metadata, maxHoldSeconds } = options;
     const ttl = options.ttl ?? 30;
     const body: Record<string, unknown> = {
       organization_id: organizationId,
@@ -804,6 +946,7 @@ export class LockClient {
       locks: sessionLocks(jobTypes, options.shared),
     };
     if (metadata !== undefined) body.metadata = metadata;
+    if (maxHoldSeconds !== undefined && maxHoldSeconds !== null) body.max_hold_seconds = maxHoldSeconds;
     const { answer, started } = await this.#granted("/v1/sessions", body, ttl, options.wait ?? 0, options.signal);
     return new SessionGrant(answer as OpenedSession, ttl, started);
   }

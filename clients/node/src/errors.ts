@@ -141,6 +141,28 @@ export class LockLostError extends HelixLocksError {
 }
 
 /**
+ * The lock's hold limit (`maxHoldSeconds` at its acquire; `holdLimitAt`) has come, or is about to:
+ * a renewal answered `410` `hold-limit-reached`, or the lease's safety margin before the limit was
+ * reached on this process's monotonic clock. No renewal takes a lease past the limit, however the
+ * holder is doing: the lock is lost as any LockLostError says, and the next acquire of the key
+ * reclaims it once the limit has come.
+ */
+export class HoldLimitError extends LockLostError {
+  override name = "HoldLimitError";
+  /** The lock's hold limit, as the service sent it (`hold_limit_at`), or null if it did not say. */
+  readonly holdLimitAt: string | null;
+
+  constructor(
+    message: string,
+    options: { problem?: Problem | null; holdLimitAt?: string | null; cause?: unknown } = {},
+  ) {
+    super(message, options);
+    const said = this.problem?.hold_limit_at;
+    this.holdLimitAt = options.holdLimitAt ?? (typeof said === "string" ? said : null);
+  }
+}
+
+/**
  * The service could not be reached, or kept answering 503, until the retries ran out. `status`
  * is the last answer's status (0 when none came), `problem` its problem, if any.
  */

@@ -14,6 +14,7 @@ export type { LockClientOptions, LockRef } from "./client.js";
 export {
   ApiError,
   HelixLocksError,
+  HoldLimitError,
   LockHeldError,
   LockLostError,
   MaxHoldersMismatchError,

@@ -41,6 +41,9 @@ export interface Lock {
   session_id?: number | null;
   /** exclusive, or shared (a reader, held beside the key's other readers); absent from a service older than modes. */
   mode?: LockMode;
+  /** acquired_at + the acquire's max_hold_seconds, by the database's clock: no lease of the lock runs
+   * past it, however it is renewed; null without a hold limit (absent from a service older than them). */
+  hold_limit_at?: string | null;
 }
 
 /** A session: one lease that its locks share. */
@@ -53,6 +56,9 @@ export interface SessionBody {
   state: "held" | "expired" | "ended";
   /** Its unreleased locks, in job type order. */
   locks: Lock[];
+  /** Its creation + max_hold_seconds: no lease of it runs past it, nor so of any of its locks;
+   * null without a hold limit (absent from a service older than them). */
+  hold_limit_at?: string | null;
 }
 
 /** A session's opening answer: with its token. */
@@ -60,9 +66,12 @@ export interface OpenedSession extends SessionBody {
   token: string;
 }
 
-/** A session's renewal answer: whether its lease had run out before it. */
+/** A session's renewal answer: whether its lease had run out before it, and whether the
+ * session's hold limit cut the new lease short. */
 export interface SessionRenewed extends SessionBody {
   lapsed: boolean;
+  /** The new lease ends at hold_limit_at: no renewal takes it further (absent from older services). */
+  limited?: boolean;
 }
 
 /** The stale lock an acquire took over. */
@@ -78,9 +87,13 @@ export interface Acquired extends Lock {
   reclaimed: Reclaimed | null;
 }
 
-/** A renewal's answer: the lock object, and whether the lease had run out before it. */
+/** A renewal's answer: the lock object, whether the lease had run out before it, and whether the
+ * lock's hold limit cut the new lease short. */
 export interface Renewed extends Lock {
   lapsed: boolean;
+  /** The new lease ends at hold_limit_at, sooner than the ttl asked: no renewal takes it further
+   * (absent from a service older than hold limits). */
+  limited?: boolean;
 }
 
 /** One held lock of a key, as a 409 `lock-held` lists them. */
@@ -158,6 +171,11 @@ export interface AcquireOptions extends LockKey {
    * which waits for every reader; a new reader waits behind a waiting writer. Not with `maxHolders`.
    * Default `exclusive`. */
   mode?: LockMode;
+  /** A hold limit in seconds (1 to 604800): no lease of the lock runs past its grant plus this
+   * (`hold_limit_at`, by the database's clock), however it is renewed, so a holder that hangs while
+   * its renewals go on loses the lock then. withLock's signal aborts before it, as before a lease's
+   * end. Default: none. */
+  maxHoldSeconds?: number;
   /** Who holds it, for humans. Default user@host:pid. */
   holder?: string;
   /** The lock's metadata at grant. */
@@ -176,6 +194,10 @@ export interface SessionOptions {
   ttl?: number;
   /** Seconds to wait until all of them are free at once (none is held meanwhile). Default 0. */
   wait?: number;
+  /** A hold limit in seconds (1 to 604800) from the session's opening: no lease of the session runs
+   * past it, nor so of any of its locks (added ones too). withSession's signal aborts before it.
+   * Default: none. */
+  maxHoldSeconds?: number;
   holder?: string;
   /** The metadata each lock gets at its grant. */
   metadata?: Metadata;

@@ -1,5 +1,6 @@
 // What the tests share: the service under test (named by environment variables), and proxies in
 // front of it that lose an answer, answer 503, record what passed, or cut connections.
+import assert from "node:assert/strict";
 import { randomUUID } from "node:crypto";
 import http from "node:http";
 import net from "node:net";
@@ -41,6 +42,28 @@ export async function admin(method, path) {
 }
 
 export const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+/** Milliseconds since the epoch of a time the service sent, to its microsecond (Date.parse keeps
+ * milliseconds only). */
+export function dbTime(text) {
+  const [, whole, fraction = "", zone] = /^(.+T\d{2}:\d{2}:\d{2})(\.\d+)?(Z|[+-]\d{2}:\d{2})$/i.exec(text);
+  return Date.parse(`${whole}${zone}`) + Number(`0${fraction}`) * 1000;
+}
+
+/**
+ * The database's clock as the service reads it, from a held lock (`probe`, of a long lease): its
+ * expires_at less its ttl_remaining_ms is the database's time when it answered, which came between
+ * `sentAt` and `readAt` (performance.now()). `at(t)` bounds the database's time at an earlier
+ * moment t of this process: no later than `db - (sentAt - t)`.
+ */
+export async function dbClock(locks, probe) {
+  const sentAt = performance.now();
+  const lock = await locks.get(probe.id);
+  const readAt = performance.now();
+  assert.ok(lock.state === "held" && lock.ttl_remaining_ms > 0, `the probe lock is held: ${JSON.stringify(lock)}`);
+  const db = dbTime(lock.expires_at) - lock.ttl_remaining_ms;
+  return { db, sentAt, readAt, atMost: (t) => db - (sentAt - t) };
+}
 
 /** Wall-clock milliseconds, with the monotonic clock's precision. */
 export const wallNow = () => performance.timeOrigin + performance.now();

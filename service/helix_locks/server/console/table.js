@@ -5,7 +5,7 @@ import { renderCharts } from './charts.js';
 import { $, el } from './dom.js';
 import { askForce } from './force.js';
 import { MODE_TITLES, duration, metadataText, modeOf, unbroken } from './format.js';
-import { age, awaitingReclaim, state, ttlLeft } from './state.js';
+import { age, awaitingReclaim, holdLeft, state, ttlLeft } from './state.js';
 import { openTimeline } from './timeline.js';
 
 const PAGE_SIZE = 50;
@@ -139,7 +139,17 @@ function row(entry) {
   }, el('bdi', {}, lock.job_type));
   keyButton.addEventListener('click', () => openTimeline(lock.organization_id, lock.job_type));
   const stateCell = el('td', { class: 'state' });
-  const ttlCell = el('td', { class: 'number ttl' });
+  // The lease left, and under it, for a lock with a hold limit, the time left until that limit.
+  const ttlText = document.createTextNode('');
+  const ttlCell = el('td', { class: 'number ttl' }, ttlText);
+  let holdCell = null;
+  if (lock.hold_limit_at) {
+    holdCell = el('span', {
+      class: 'hold-limit', 'data-mark': 'hold-limit',
+      title: `hold limit ${lock.hold_limit_at}: no lease of this lock runs past it`,
+    });
+    ttlCell.append(holdCell);
+  }
   const ageCell = el('td', { class: 'number age' });
   const mode = modeOf(lock);
   // A reader's slot is its own among the pair's readers (up to 1000); its max_holders is always 1.
@@ -171,7 +181,7 @@ function row(entry) {
     ageCell,
     el('td', { class: 'metadata' }, metadataCode(lock.metadata)),
     ...action);
-  const rendered = { entry, stateCell, ttlCell, ageCell };
+  const rendered = { entry, stateCell, ttlText, holdCell, ageCell };
   tick(rendered);
   state.renderedRows.push(rendered);
   return tr;
@@ -206,7 +216,11 @@ function metadataCode(metadata) {
 function tick(rendered) {
   const entry = rendered.entry;
   const left = ttlLeft(entry);
-  rendered.ttlCell.textContent = duration(left, true);
+  rendered.ttlText.data = duration(left, true);
+  if (rendered.holdCell) {
+    const holdMs = holdLeft(entry);
+    rendered.holdCell.textContent = holdMs > 0 ? `hold limit in ${duration(holdMs, true)}` : 'hold limit reached';
+  }
   const held = age(entry.lock);
   rendered.ageCell.textContent = duration(held);
   const marks = [];
