@@ -1,8 +1,10 @@
-"""The worker examples (examples/curl-worker.sh, examples/node-worker.mjs) against a real service."""
+"""The worker examples (examples/curl-worker.sh, examples/node-worker.mjs, examples/go-worker) against a
+real service."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
@@ -18,15 +20,45 @@ from harness.history import Told, check, database_history
 from harness.node import node_example
 from harness.processes import ROOT, logged_requests, running_service
 
-EXAMPLES = {"curl": ROOT / "examples" / "curl-worker.sh", "node": ROOT / "examples" / "node-worker.mjs"}
+# Slow: built and run in three languages (Go among them, which the default suite does not need).
+pytestmark = pytest.mark.slow
+
+EXAMPLES = {
+    "curl": ROOT / "examples" / "curl-worker.sh",
+    "node": ROOT / "examples" / "node-worker.mjs",
+    "go": ROOT / "examples" / "go-worker",
+}
 KEY = ("acme", "nightly-report")
 LOST = 76  # the examples' documented exit status when their lock was taken away (as helix-locks run's)
 
 
+@pytest.fixture(scope="module")
+def go_worker(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/go-worker, built as a user builds it, its go.mod's replace directive pointing at
+    clients/go (once for the module's tests)."""
+    go = shutil.which("go")
+    if go is None:
+        pytest.fail("the Go example needs the go command (Debian's golang-go) on PATH")
+    built = tmp_path_factory.mktemp("go-worker") / "go-worker"
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("HELIX_LOCKS_", "WORKER_"))}
+    done = subprocess.run(
+        [go, "build", "-o", str(built), "."],
+        cwd=EXAMPLES["go"],
+        env={**inherited, "GOTOOLCHAIN": "local", "GOPROXY": "off", "GOFLAGS": ""},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return built
+
+
 @pytest.fixture(autouse=True)
-def installed(node_client: Path, tmp_path: Path) -> None:
-    """The Node example runs as a user runs it: beside a node_modules that holds the client."""
+def installed(node_client: Path, go_worker: Path, tmp_path: Path) -> None:
+    """The Node example runs as a user runs it: beside a node_modules that holds the client; the Go
+    one as built."""
     node_example(node_client, tmp_path)
+    shutil.copy(go_worker, tmp_path / "go-worker")
 
 
 @contextmanager
@@ -34,7 +66,8 @@ def worker(
     name: str, base_url: str, tmp_path: Path, settings: Mapping[str, str]
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Run one example (its output in tmp_path/NAME.out, its log in NAME.log); killed if left running.
-    The Node example runs from its copy in tmp_path, where it finds the client."""
+    The Node example runs from its copy in tmp_path, where it finds the client; the Go one as built
+    there."""
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(("HELIX_LOCKS_", "WORKER_"))}
     env = {
         **inherited,
@@ -47,7 +80,7 @@ def worker(
     path = EXAMPLES[name]
     with (tmp_path / f"{name}.log").open("wb") as log:
         process = subprocess.Popen(
-            [str(tmp_path / path.name if name == "node" else path), str(tmp_path / f"{name}.out")],
+            [str(tmp_path / path.name if name in ("node", "go") else path), str(tmp_path / f"{name}.out")],
             env=env,
             stdout=log,
             stderr=log,
@@ -73,7 +106,7 @@ def written(path: Path) -> list[Told]:
     return told
 
 
-def test_two_examples_working_on_one_key_never_hold_it_at_once(db_url: str, tmp_path: Path) -> None:
+def test_the_examples_working_on_one_key_never_hold_it_at_once(db_url: str, tmp_path: Path) -> None:
     # Work longer than ttl/3, so that every piece of work is renewed once on the way.
     settings = {"WORKER_TTL": "1", "WORKER_ITERATIONS": "5", "WORKER_WORK_SECONDS": "0.4"}
     with (
@@ -83,7 +116,7 @@ def test_two_examples_working_on_one_key_never_hold_it_at_once(db_url: str, tmp_
         workers = {name: stack.enter_context(worker(name, url, tmp_path, settings)) for name in EXAMPLES}
         statuses = {name: process.wait(timeout=30) for name, process in workers.items()}
     logs = {name: (tmp_path / f"{name}.log").read_text() for name in EXAMPLES}
-    assert statuses == {"curl": 0, "node": 0}, logs
+    assert statuses == dict.fromkeys(EXAMPLES, 0), logs
 
     outputs = {name: written(tmp_path / f"{name}.out") for name in EXAMPLES}
     grants = database_history(db_url)
@@ -96,8 +129,8 @@ def test_two_examples_working_on_one_key_never_hold_it_at_once(db_url: str, tmp_
     # Every grant was written once and released by its holder: no lease ran out, nothing lapsed.
     assert sorted(grant.lock_id for grant in told) == sorted(grant.lock_id for grant in grants)
     assert {grant.release_reason for grant in grants} == {"released"}
-    # They did contend: an acquire was refused (curl polls) or waited for a release (Node waits
-    # in the service), longer than a grant takes.
+    # They did contend: an acquire was refused (curl polls) or waited for a release (Node and Go
+    # wait in the service), longer than a grant takes.
     acquires = [
         line
         for line in logged_requests(tmp_path / "serve.log")
@@ -105,7 +138,7 @@ def test_two_examples_working_on_one_key_never_hold_it_at_once(db_url: str, tmp_
     ]
     assert any(line["status"] == 409 or line["duration_ms"] > 100 for line in acquires), acquires
     assert {line[4] for name in EXAMPLES for line in lines(tmp_path / f"{name}.out")} == {"0"}
-    # Both renewed their locks while working (the service logs each renewal with its lock id).
+    # Each renewed its locks while working (the service logs each renewal with its lock id).
     renewed = {
         line["lock_id"]
         for line in logged_requests(tmp_path / "serve.log")
@@ -161,29 +194,34 @@ def test_an_example_whose_lock_is_taken_away_stops_with_its_lost_status(
     assert rows == {victim: ("reclaimed", f"{name}-worker"), thief.json()["id"]: (None, "thief")}
 
 
-def test_two_examples_hold_a_semaphore_of_two_at_once_and_another_max_holders_is_refused(
+def test_the_examples_hold_a_semaphore_of_as_many_at_once_and_another_max_holders_is_refused(
     db_url: str, tmp_path: Path
 ) -> None:
+    slots = len(EXAMPLES)
     settings = {"WORKER_TTL": "5", "WORKER_WORK_SECONDS": "1.5", "WORKER_WAIT_SECONDS": "0"}
     with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "serve.log") as (url, _):
         with ExitStack() as stack:
-            semaphore = {**settings, "WORKER_MAX_HOLDERS": "2"}
+            semaphore = {**settings, "WORKER_MAX_HOLDERS": str(slots)}
             workers = {name: stack.enter_context(worker(name, url, tmp_path, semaphore)) for name in EXAMPLES}
             statuses = {name: process.wait(timeout=30) for name, process in workers.items()}
         logs = {name: (tmp_path / f"{name}.log").read_text() for name in EXAMPLES}
-        assert statuses == {"curl": 0, "node": 0}, logs  # no wait: both got a slot at once
+        assert statuses == dict.fromkeys(EXAMPLES, 0), logs  # no wait: each got a slot at once
         outputs = {name: lines(tmp_path / f"{name}.out") for name in EXAMPLES}
-        assert sorted(output[0][4] for output in outputs.values()) == ["0", "1"], outputs
+        assert sorted(output[0][4] for output in outputs.values()) == [str(n) for n in range(slots)], outputs
 
-        body = {"organization_id": KEY[0], "job_type": KEY[1], "holder": "three", "ttl_seconds": 30}
-        held = httpx.post(f"{url}/v1/locks", json={**body, "max_holders": 3}, timeout=5)
+        body = {"organization_id": KEY[0], "job_type": KEY[1], "holder": "another", "ttl_seconds": 30}
+        held = httpx.post(f"{url}/v1/locks", json={**body, "max_holders": slots + 1}, timeout=5)
         assert held.status_code == 201, held.text
-        mismatch = {**settings, "WORKER_MAX_HOLDERS": "2", "WORKER_WAIT_SECONDS": "20"}
+        mismatch = {**settings, "WORKER_MAX_HOLDERS": str(slots), "WORKER_WAIT_SECONDS": "20"}
         for name in EXAMPLES:
             (tmp_path / f"{name}.out").unlink()
             with worker(name, url, tmp_path, mismatch) as process:
                 assert process.wait(timeout=10) == 2, "a mismatch is a configuration error, not waited for"
             log = (tmp_path / f"{name}.log").read_text()
-            said = {"curl": "WORKER_MAX_HOLDERS is 2, the key's is 3", "node": "MaxHoldersMismatchError"}
-            assert said[name] in log and "3" in log, log
+            said = {
+                "curl": f"WORKER_MAX_HOLDERS is {slots}, the key's is {slots + 1}",
+                "node": "MaxHoldersMismatchError",
+                "go": "MaxHoldersMismatchError",
+            }
+            assert said[name] in log and str(slots + 1) in log, log
             assert lines(tmp_path / f"{name}.out") == []

@@ -1,0 +1,30 @@
+// Package helixlocks is the Go client of Helix Locks, a distributed lock service over HTTP.
+//
+// It gives a Go worker what the Python SDK and the Node client give theirs: a lock that renews
+// itself, a context that is cancelled the moment the lock may be lost, waiting, idempotent
+// retries, typed errors and the event stream. It uses the standard library alone.
+//
+//	client, err := helixlocks.New(helixlocks.Options{}) // HELIX_LOCKS_URL, HELIX_LOCKS_API_KEY
+//	if err != nil {
+//		log.Fatal(err)
+//	}
+//	opts := helixlocks.AcquireOptions{OrganizationID: "acme", JobType: "nightly-report", TTL: 30 * time.Second}
+//	err = client.WithLock(ctx, opts, func(ctx context.Context, lease *helixlocks.Lease) error {
+//		return work(ctx, lease.FencingToken()) // ctx is cancelled the moment the lock may be lost
+//	})
+//	var held *helixlocks.LockHeldError
+//	if errors.As(err, &held) {
+//		log.Printf("held by %s until %s", held.Holder, held.ExpiresAt)
+//	}
+//
+// What the client retries, how long it pauses, which answers end a held lock and how it reads an
+// event stream follow clients/contract.json, the contract that the Python SDK and the Node client
+// keep too; the tests of each read that file.
+//
+// A lease is counted on this process's monotonic clock (time.Now's monotonic reading), from the
+// moment the acquire or the latest successful renewal was sent, for as long as the service's
+// answer said was left of it (ttl_remaining_ms): never from when an answer was read, and never
+// by the wall clock. WithLock and WithSession cancel the callback's context a safety margin (a
+// tenth of the lease, at least 100 ms) before that moment when renewals have not succeeded, or
+// as soon as a renewal is refused (403, 404, 410).
+package helixlocks

@@ -1,0 +1,3 @@
+module github.com/helix-locks/helix-locks/clients/go
+
+go 1.19
