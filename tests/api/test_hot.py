@@ -70,11 +70,13 @@ def shape(response: httpx.Response) -> dict[str, Any]:
             body = {k: (type(v).__name__ if k in VARYING else v) for k, v in body.items() if k != "instance"}
             for name in ("lock_id",):
                 body.pop(name, None)
-    headers = {
+    headers: dict[str, Any] = {
         name: response.headers.get(name)
         for name in ("content-type", "retry-after", "www-authenticate", "allow")
         if name in response.headers
     }
+    if "retry-after" in headers:  # whole seconds counted down: both paths' answers may straddle one
+        headers["retry-after"] = "an integer" if headers["retry-after"].isdigit() else headers["retry-after"]
     if "location" in response.headers:
         headers["location"] = "/v1/locks/" if response.headers["location"].startswith("/v1/locks/") else "?"
     return {"status": response.status_code, "headers": headers, "body": body}

@@ -673,6 +673,7 @@ async def _trickle(port: int, key: str, last_event_id: str, fast: asyncio.Event)
         await asyncio.sleep(0.1)
 
 
+@pytest.mark.fault  # 200,000 writes timed against a reader: run alone (the fault stage is serial)
 async def test_a_slowly_read_resume_of_one_organization_does_not_stop_every_stream_of_the_process(
     db_url: str, tmp_path: Path
 ) -> None:

@@ -24,6 +24,8 @@ import helix_locks
 from harness.node import NODE_CLIENT
 from harness.processes import ROOT, free_port, running_service, wait_ready
 
+pytestmark = pytest.mark.slow
+
 PACKAGE = ROOT / "service" / "helix_locks"
 EXAMPLE = ROOT / "examples" / "node-worker.mjs"
 # What a published sdist holds beside the package and the migrations (hatchling adds the last three).
@@ -33,8 +35,6 @@ import sys
 
 import helix_locks
 from helix_locks import LockClient
-
-pytestmark = pytest.mark.slow
 
 with LockClient(sys.argv[1]) as client, client.lock("acme", "packaged", ttl=10) as lease:
     print(helix_locks.__version__, lease.fencing_token)
