@@ -14,20 +14,17 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from contextlib import ExitStack
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
 
-from harness.history import Renewed, Told, check, database_history
 from harness.processes import ROOT, running_service, url_for
 from helix_locks.server import keys
 from tests.support import ROUTE
+from tests.system.test_node_client import PYTHON_RACER, race_on_one_key
 
 # A long system test of a whole, as the Node client's suites are: `scripts/test -m slow` runs it.
 pytestmark = pytest.mark.slow
@@ -133,38 +130,6 @@ def test_the_go_client_suite_passes_against_a_real_service(go: str, service: Ser
 
 # The Python SDK's racer: the same loop as clients/node/test/race-worker.mjs and
 # clients/go/internal/raceworker, recording the same lines (as tests/system/test_node_client.py's).
-PYTHON_RACER = """
-import json, sys, time
-from helix_locks import LockClient, LockHeld, LockLost
-
-name, seconds, output, org, job = sys.argv[1:6]
-
-def record(**line):
-    with open(output, "a") as out:
-        out.write(json.dumps({"worker": name, **line}) + "\\n")
-
-deadline = time.monotonic() + float(seconds)
-with LockClient() as client:
-    while time.monotonic() < deadline:
-        lock_id = None
-        try:
-            with client.lock(org, job, ttl=1.5, wait=10, holder=name) as lease:
-                lock = lease.grant.body
-                lock_id = lock["id"]
-                record(kind="told", lock_id=lock_id, fencing_token=lock["fencing_token"],
-                       acquired_at=lock["acquired_at"], slot=lock["slot"])
-                start = time.time()
-                time.sleep(0.6)
-                lease.check()
-                record(kind="work", lock_id=lock_id, start=start, end=time.time())
-            record(kind="release_attempt", lock_id=lock_id)
-        except LockHeld:
-            record(kind="held")
-        except LockLost as exc:
-            record(kind="lost", lock_id=lock_id, message=str(exc))
-"""
-
-RACE_SECONDS = 7
 
 
 def test_go_node_and_python_processes_racing_on_one_key_never_hold_it_at_once(
@@ -188,50 +153,7 @@ def test_go_node_and_python_processes_racing_on_one_key_never_hold_it_at_once(
         "node": ["node", str(node_client / "test" / "race-worker.mjs")],
         "python": [sys.executable, "-c", PYTHON_RACER],
     }
-    with ExitStack() as stack:
-        processes = {}
-        for name, command in racers.items():
-            log = stack.enter_context((tmp_path / f"{name}.log").open("wb"))
-            out = tmp_path / f"{name}.jsonl"
-            processes[name] = subprocess.Popen(
-                [*command, name, str(RACE_SECONDS), str(out), ORG, job], env=env, stdout=log, stderr=log
-            )
-        try:
-            statuses = {name: process.wait(timeout=RACE_SECONDS + 30) for name, process in processes.items()}
-        finally:
-            for process in processes.values():
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
-    logs = {name: (tmp_path / f"{name}.log").read_text() for name in racers}
-    assert statuses == dict.fromkeys(racers, 0), logs
-
-    lines: dict[str, list[dict[str, Any]]] = {
-        name: [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
-        for name in racers
-    }
-    every = [line for name in racers for line in lines[name]]
-    told = [
-        Told(
-            line["lock_id"],
-            (ORG, job),
-            line["fencing_token"],
-            datetime.fromisoformat(line["acquired_at"]),
-            line["slot"],
-        )
-        for line in every
-        if line["kind"] == "told"
-    ]
-    renewed = [
-        Renewed(line["lock_id"], expires - timedelta(seconds=line["ttl"]), expires)
-        for line in every
-        if line["kind"] == "renewed"
-        for expires in [datetime.fromisoformat(line["expires_at"])]
-    ]
-    attempts = [line["lock_id"] for line in every if line["kind"] == "release_attempt"]
-    grants = [grant for grant in database_history(service.db_url) if grant.key == (ORG, job)]
-    violations = check(grants, told, renewed, [], attempts)
-    assert violations == [], "\n".join(violations)
+    lines, every, told, grants, attempts = race_on_one_key(racers, env, tmp_path, service.db_url, job)
 
     assert [line for line in every if line["kind"] == "lost"] == [], "no lease was lost in a healthy run"
     for name in racers:

@@ -21,7 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from harness.history import Renewed, Told, check, database_history
+from harness.history import Grant, Renewed, Told, check, database_history
 from harness.node import npm
 from harness.processes import running_service
 from helix_locks.server import keys
@@ -148,16 +148,14 @@ with LockClient() as client:
 RACE_SECONDS = 7
 
 
-def test_two_node_processes_and_a_python_one_racing_on_one_key_never_hold_it_at_once(
-    node_client: Path, service: Service, db_url: str, tmp_path: Path
-) -> None:
-    job = "race"
-    env = _inherited({"HELIX_LOCKS_URL": service.url, "HELIX_LOCKS_API_KEY": service.acme_key})
-    racers = {
-        "node-1": ["node", str(node_client / "test" / "race-worker.mjs")],
-        "node-2": ["node", str(node_client / "test" / "race-worker.mjs")],
-        "python": [sys.executable, "-c", PYTHON_RACER],
-    }
+def race_on_one_key(
+    racers: Mapping[str, list[str]], env: Mapping[str, str], tmp_path: Path, db_url: str, job: str
+) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]], list[Told], list[Grant], list[int]]:
+    """Run the racers (worker processes of any client: each appends what it was told to a JSON
+    lines file) on one key of ORG for RACE_SECONDS; every one exits 0, and the history checker
+    finds nothing wrong in the database's grants of the key. The Go client's race runs it too.
+    Returns each racer's lines, all of them, what the racers were told, the key's grants in the
+    database, and the release attempts, for the callers' own checks."""
     with ExitStack() as stack:
         processes = {}
         for name, command in racers.items():
@@ -199,9 +197,23 @@ def test_two_node_processes_and_a_python_one_racing_on_one_key_never_hold_it_at_
         for expires in [datetime.fromisoformat(line["expires_at"])]
     ]
     attempts = [line["lock_id"] for line in every if line["kind"] == "release_attempt"]
-    grants = database_history(db_url)
+    grants = [grant for grant in database_history(db_url) if grant.key == (ORG, job)]
     violations = check(grants, told, renewed, [], attempts)
     assert violations == [], "\n".join(violations)
+    return lines, every, told, grants, attempts
+
+
+def test_two_node_processes_and_a_python_one_racing_on_one_key_never_hold_it_at_once(
+    node_client: Path, service: Service, db_url: str, tmp_path: Path
+) -> None:
+    job = "race"
+    env = _inherited({"HELIX_LOCKS_URL": service.url, "HELIX_LOCKS_API_KEY": service.acme_key})
+    racers = {
+        "node-1": ["node", str(node_client / "test" / "race-worker.mjs")],
+        "node-2": ["node", str(node_client / "test" / "race-worker.mjs")],
+        "python": [sys.executable, "-c", PYTHON_RACER],
+    }
+    lines, every, told, grants, attempts = race_on_one_key(racers, env, tmp_path, db_url, job)
 
     assert [line for line in every if line["kind"] == "lost"] == [], "no lease was lost in a healthy run"
     for name in racers:
