@@ -16,6 +16,9 @@ The guarantees it checks, per (organization_id, job_type):
 - shared locks (issue 40): at no database instant a shared and an exclusive grant live at once,
   at most 1000 shared grants live, each with max_holders 1 and a slot below 1000 (a pair with a
   shared grant is checked as a semaphore is, its readers' room 1000);
+- hold limits and closed pairs (issue 41): no lease of a lock ran past its hold_limit_at, as the
+  database kept it or as a renewal announced it; no grant of a pair began before the closed_until
+  of an earlier grant of it (hold_at_least_seconds), whatever became of that grant;
 - no renewal of a lock succeeded after that lock had ended, and none was lost: the database keeps
   at least the latest expiry a renewal announced (renewals in a run never shorten a lease), and a
   reclaim came only after that expiry;
@@ -61,6 +64,8 @@ class Grant:
     session_id: int | None = None
     acquired_xid: int | None = None  # the granting transaction
     shared: bool = False  # its mode: a reader's lock (issue 40), else exclusive
+    hold_limit_at: datetime | None = None  # no lease past it (max_hold_seconds, issue 41)
+    closed_until: datetime | None = None  # no other grant of the pair before it (hold_at_least_seconds)
 
 
 # How many shared locks a pair may hold at once.
@@ -105,11 +110,11 @@ def database_history(db_url: str) -> list[Grant]:
         rows = conn.execute(
             "SELECT h.id, h.organization_id, h.job_type, h.fencing_token, h.acquired_at, v.expires_at,"
             " NULL::timestamptz, NULL::text, h.max_holders, h.slot, h.session_id,"
-            " h.acquired_xid::text::bigint, h.shared"
+            " h.acquired_xid::text::bigint, h.shared, h.hold_limit_at, h.closed_until"
             " FROM helix_holds AS h JOIN helix_held_locks AS v ON v.id = h.id"
             " UNION ALL SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
             " released_at, release_reason, max_holders, slot, session_id, acquired_xid::text::bigint,"
-            " shared FROM helix_lock_history"
+            " shared, hold_limit_at, closed_until FROM helix_lock_history"
         ).fetchall()
     return [Grant(r[0], (r[1], r[2]), *r[3:]) for r in rows]
 
@@ -188,7 +193,21 @@ def check(
         history.sort(key=lambda g: g.fencing_token)
         semaphore = any((grant.max_holders, grant.slot, grant.shared) != (1, 0, False) for grant in history)
         in_slot: dict[int, Grant] = {}  # the latest grant so far, per slot
+        closer: Grant | None = None  # of the grants so far, the one that closed the pair the longest
         for n, after in enumerate(history):
+            if (
+                closer is not None
+                and closer.closed_until is not None
+                and after.acquired_at < closer.closed_until
+            ):
+                violations.append(
+                    f"{key}: lock {after.lock_id} granted at {after.acquired_at}, while lock"
+                    f" {closer.lock_id} closed the pair until {closer.closed_until}"
+                )
+            if after.closed_until is not None and (
+                closer is None or closer.closed_until is None or after.closed_until > closer.closed_until
+            ):
+                closer = after
             if n:
                 before = history[n - 1]
                 where = f"{key}: lock {before.lock_id} (token {before.fencing_token}) then {after.lock_id}"
@@ -202,6 +221,12 @@ def check(
                 violations.extend(_slot_violations(key, before_in_slot, after, promised, semaphore))
         if semaphore:
             violations.extend(_semaphore_violations(key, history, promised))
+    for grant in grants:
+        if grant.hold_limit_at is not None and _lease_end(grant, promised) > grant.hold_limit_at:
+            violations.append(
+                f"lock {grant.lock_id}: a lease ran to {_lease_end(grant, promised)},"
+                f" past its hold limit {grant.hold_limit_at}"
+            )
     kept_until = {grant.lock_id: grant.expires_at for grant in grants}
     for lock_id, expiry in promised.items():
         if lock_id in kept_until and kept_until[lock_id] < expiry:

@@ -721,6 +721,7 @@ def test_metadata_over_8_kib_as_stored_is_refused_by_every_function_that_writes_
             "place": None,
             "mode": "exclusive",
             "max_hold_ms": None,
+            "hold_at_least_ms": None,
         }
         statement = queries.ACQUIRE if quota is None else queries.ACQUIRE_WITHIN_QUOTA
         rows = cursor.execute(statement, params).fetchall()
@@ -868,6 +869,7 @@ def test_a_repeat_at_the_quota_is_judged_by_what_it_did_while_another_acquire_co
         "place": None,
         "mode": "exclusive",
         "max_hold_ms": None,
+        "hold_at_least_ms": None,
     }
     with psycopg.connect(db_url) as pool_key, psycopg.connect(db_url, autocommit=True) as repeat:
         pool_key.execute(

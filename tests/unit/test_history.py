@@ -51,7 +51,28 @@ BROKEN: dict[str, tuple[list[Grant], list[Renewed], str]] = {
     # was reclaimed at 1300: before the lease its holder was promised.
     "renewal lost": (sound(), [Renewed(2, at(900), at(1900))], "the database kept"),
     "reclaim before a renewed lease ended": (sound(), [Renewed(2, at(900), at(1900))], "before its lease"),
+    # Issue 41: lock 1 closed the pair until 1250, released at 100; lock 2 came at 200.
+    "granted while closed": (
+        [replace(sound()[0], closed_until=at(1250)), *sound()[1:]],
+        [],
+        "closed the pair until",
+    ),
+    "a lease past the hold limit": (
+        [replace(sound()[0], hold_limit_at=at(90)), *sound()[1:]],
+        [],
+        "past its hold limit",
+    ),
+    "a renewal past the hold limit": (
+        [replace(sound()[1], hold_limit_at=at(1200)), sound()[2]],
+        [Renewed(2, at(500), at(1250))],
+        "past its hold limit",
+    ),
 }
+
+
+def test_a_closing_and_a_hold_limit_kept_pass() -> None:
+    grants = [replace(sound()[0], closed_until=at(200), hold_limit_at=at(1000)), *sound()[1:]]
+    assert check(grants, told_of(grants), [Renewed(2, at(500), at(1200))]) == []
 
 
 @pytest.mark.parametrize("case", BROKEN)

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from helix_locks.server import logs, problems, query
 from helix_locks.server.errors import (
+    ClosedUntil,
     DatabaseUnavailable,
     EventsExpired,
     Forbidden,
@@ -242,6 +243,7 @@ def scoped_key(caller: Caller, idempotency_key: str | None) -> str | None:
             Forbidden,
             LockHeld,
             WaitersAhead,
+            ClosedUntil,
             MaxHoldersMismatch,
             UnsupportedMediaType,
             InvalidRequest,
@@ -288,6 +290,9 @@ async def acquire(
             place=place,
             mode=body.mode,
             max_hold_ms=None if body.max_hold_seconds is None else ttl_ms(body.max_hold_seconds),
+            hold_at_least_ms=None
+            if body.hold_at_least_seconds is None
+            else ttl_ms(body.hold_at_least_seconds),
         )
 
     try:
@@ -614,7 +619,7 @@ def _wanted(locks: list[SessionLockRequest]) -> Wanted:
 
 
 # What a session's grant may answer besides its own problems: the refusals of its pairs.
-SESSION_GRANT_PROBLEMS = (LockHeld, WaitersAhead, MaxHoldersMismatch, QuotaExceeded, SessionFull)
+SESSION_GRANT_PROBLEMS = (LockHeld, WaitersAhead, ClosedUntil, MaxHoldersMismatch, QuotaExceeded, SessionFull)
 
 
 @router.post(

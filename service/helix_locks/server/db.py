@@ -16,6 +16,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from helix_locks.server import queries
 from helix_locks.server.errors import (
+    ClosedUntil,
     DatabaseUnavailable,
     EmptyResult,
     Holder,
@@ -123,6 +124,19 @@ def _hold_limit_reached(exc: psycopg.Error) -> LockError:
     return HoldLimitReached(hold_limit_at)
 
 
+def _closed_until(exc: psycopg.Error) -> LockError:
+    detail = _detail(exc)
+    return ClosedUntil(
+        lock_id=None,
+        holder=None,
+        expires_at=None,
+        retry_after_seconds=int(detail.get("retry_after_seconds", 1)),
+        job_type=detail.get("job_type"),
+        closed_until=_time(detail.get("closed_until")),
+        closed_ms=int(detail.get("closed_ms") or 0),
+    )
+
+
 def _token_mismatch(exc: psycopg.Error) -> LockError:
     detail = _detail(exc)
     return TokenMismatch(detail.get("organization_id"), detail.get("job_type"))
@@ -156,6 +170,8 @@ SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "HL011": lambda exc: SessionNotFound(),
     # Hold limits (migration 0033).
     "HL012": _hold_limit_reached,
+    # A closed pair (migration 0034).
+    "HL013": _closed_until,
     # A primary that just became a standby (failover): it will not take writes, try again.
     "25006": lambda exc: DatabaseUnavailable("read-only transaction"),
     # Prepared statements lost or doubled: DATABASE_URL goes through a transaction pooler, but no

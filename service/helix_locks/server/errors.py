@@ -54,6 +54,15 @@ class WaitersAhead(LockHeld):
 
 
 @dataclass
+class ClosedUntil(LockHeld):
+    """A grant with hold_at_least_seconds closed the pair: no lock of it is granted before
+    `closed_until` (`closed_ms` from the refusal, by the database clock), whoever holds it now."""
+
+    closed_until: datetime | None = None
+    closed_ms: int = 0
+
+
+@dataclass
 class MaxHoldersMismatch(LockError):
     """The key's held locks share another max_holders than the acquire named."""
 

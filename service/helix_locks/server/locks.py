@@ -65,6 +65,8 @@ class Lock:
     mode: Mode = "exclusive"
     # No lease of the lock runs past it (max_hold_seconds, migration 0033); None: no hold limit.
     hold_limit_at: datetime | None = None
+    # No other lock of the pair is granted before it (hold_at_least_seconds, migration 0034).
+    closed_until: datetime | None = None
 
     @classmethod
     def from_row(cls, row: DictRow) -> Lock:
@@ -443,6 +445,7 @@ class Locks:
         place: Place | None = None,
         mode: Mode = "exclusive",
         max_hold_ms: int | None = None,
+        hold_at_least_ms: int | None = None,
     ) -> Grant:
         """Grant the lock (a free slot of up to max_holders), or raise LockHeld (every slot held),
         WaitersAhead (places of the pair's queue come first) or MaxHoldersMismatch (held with
@@ -462,6 +465,7 @@ class Locks:
             "place": None if place is None else place.id,
             "mode": mode,
             "max_hold_ms": max_hold_ms,
+            "hold_at_least_ms": hold_at_least_ms,
         }
         share = await self.quota.admit(params, waiting=waiting)
         row: DictRow | None = None

@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from helix_locks.server.errors import (
     HOLDERS_LISTED,
     BodyTooLarge,
+    ClosedUntil,
     DatabaseUnavailable,
     EventsExpired,
     Forbidden,
@@ -254,6 +255,19 @@ KINDS: Mapping[type[LockError], Kind] = {
             ),
             **_pair(exc.job_type),
         },
+    ),
+    ClosedUntil: Kind(
+        409,
+        "closed-until",
+        "Closed until",
+        "A grant with hold_at_least_seconds closed this organization and job type: no lock of it is"
+        " granted before closed_until, whatever became of that grant (released early included)."
+        " Retry-After: whole seconds until then. A waiting acquire waits for it, or is told this at"
+        " once when its wait would end first.",
+        ClosedUntil(None, None, None, 30, closed_until=_EXPIRES, closed_ms=30000),
+        lambda exc: f"This organization and job type is closed until {rfc3339(exc.closed_until)}.",
+        headers=lambda exc: {"Retry-After": str(exc.retry_after_seconds)},
+        fields=lambda exc: {"closed_until": exc.closed_until, **_pair(exc.job_type)},
     ),
     MaxHoldersMismatch: Kind(
         409,

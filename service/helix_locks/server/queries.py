@@ -77,8 +77,12 @@ RELEASE = "SELECT " + LOCK + " FROM helix_release_job_lock(%(lock_id)s, %(token)
 # A lock's mode (migration 0030) is not in the views the functions answer: read from the hold, as
 # this statement's snapshot shows it, from before the function changed it.
 _HOLD_SHARED = "(SELECT h.shared FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS shared"
-# A lock's hold limit (migration 0033), the same way; it never changes.
-_HOLD_LIMIT = "(SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS hold_limit_at"
+# A lock's hold limit (migration 0033) and the time until which its grant closed its pair (0034),
+# the same way; neither ever changes.
+_HOLD_LIMIT = (
+    "(SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS hold_limit_at, "
+    "(SELECT h.closed_until FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS closed_until"
+)
 
 FORCE_RELEASE = (
     "SELECT "
@@ -125,7 +129,10 @@ GET = (
                 (SELECT k.shared FROM helix_lock_history AS k WHERE k.id = %(lock_id)s)) AS shared,
        coalesce((SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = %(lock_id)s),
                 (SELECT k.hold_limit_at FROM helix_lock_history AS k WHERE k.id = %(lock_id)s))
-           AS hold_limit_at
+           AS hold_limit_at,
+       coalesce((SELECT h.closed_until FROM helix_holds AS h WHERE h.id = %(lock_id)s),
+                (SELECT k.closed_until FROM helix_lock_history AS k WHERE k.id = %(lock_id)s))
+           AS closed_until
 FROM helix_job_lock_views
 WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope)s)
 """
@@ -222,7 +229,8 @@ CURRENT = (
     + LOCK
     + """, (SELECT h.session_id FROM helix_holds AS h WHERE h.id = v.id) AS session_id,
        (SELECT h.shared FROM helix_holds AS h WHERE h.id = v.id) AS shared,
-       (SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = v.id) AS hold_limit_at
+       (SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = v.id) AS hold_limit_at,
+       (SELECT h.closed_until FROM helix_holds AS h WHERE h.id = v.id) AS closed_until
 FROM helix_held_locks AS v
 WHERE organization_id = %(organization_id)s
   AND job_type = %(job_type)s
@@ -237,21 +245,15 @@ LIMIT 1
 # acquire let through on a share of the room, under the share's advisory lock in shared mode
 # (HL005 once the share is gone or past its time), and the count that hands a process its share.
 # Near it: the same acquire, counted and granted one at a time per organization; HL004 beyond the
-# quota.
-# A grant's hold limit (migration 0033), read by a function with a snapshot of its own: the
-# statement's snapshot shows neither the hold its call inserted nor the first grant a repeat that
-# waited for it is answered with.
-_GRANT_HOLD_LIMIT = "helix_hold_limit_of(g.id, g.organization_id) AS hold_limit_at"
+# quota. Both answer the grant's hold limit (0033) and closing (0034) as the function read them.
 ACQUIRE_ON_SHARE = (
     "SELECT "
     + LOCK
     + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at, %(mode)s = 'shared' AS shared,
-       """
-    + _GRANT_HOLD_LIMIT
-    + """
+       hold_limit_at, closed_until
 FROM helix_acquire_job_lock_on_share(
     %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s,
-    %(max_holders)s, %(share)s, %(place)s, %(mode)s, %(max_hold_ms)s
+    %(max_holders)s, %(share)s, %(place)s, %(mode)s, %(max_hold_ms)s, %(hold_at_least_ms)s
 ) AS g
 """
 )
@@ -263,12 +265,10 @@ ACQUIRE_WITHIN_QUOTA = (
     "SELECT "
     + LOCK
     + """, token, reclaimed_lock_id, reclaimed_holder, reclaimed_expired_at, %(mode)s = 'shared' AS shared,
-       """
-    + _GRANT_HOLD_LIMIT
-    + """
+       hold_limit_at, closed_until
 FROM helix_acquire_job_lock_within_quota(
     %(organization_id)s, %(job_type)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(quota)s,
-    %(max_holders)s, %(place)s, %(mode)s, %(max_hold_ms)s
+    %(max_holders)s, %(place)s, %(mode)s, %(max_hold_ms)s, %(hold_at_least_ms)s
 ) AS g
 """
 )
@@ -313,7 +313,7 @@ SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquire
        NULL::timestamptz AS released_at, NULL::text AS release_reason, s.state,
        greatest(0, floor(extract(epoch FROM s.expires_at - clock_timestamp()) * 1000))::bigint
            AS ttl_remaining_ms,
-       l.metadata, l.max_holders, l.slot, l.session_id, l.shared, l.hold_limit_at
+       l.metadata, l.max_holders, l.slot, l.session_id, l.shared, l.hold_limit_at, l.closed_until
 FROM helix_holds AS l
 CROSS JOIN LATERAL (
     SELECT CASE WHEN l.session_id IS NULL THEN l.expires_at
@@ -364,7 +364,7 @@ SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquire
        l.released_at, l.release_reason,
        CASE WHEN l.release_reason = 'reclaimed' THEN 'reclaimed' ELSE 'released' END AS state,
        0::bigint AS ttl_remaining_ms, l.metadata, l.max_holders, l.slot, l.forced_by, l.session_id, l.shared,
-       l.hold_limit_at
+       l.hold_limit_at, l.closed_until
 FROM helix_lock_history AS l
 WHERE (l.release_reason IS DISTINCT FROM 'reclaimed') = (%(state)s::text = 'released')
   AND (l.released_at, l.id) < (coalesce(%(after_released_at)s::timestamptz, 'infinity'),
@@ -483,7 +483,9 @@ _EVENT_LOCK = """v.id, v.organization_id, v.job_type, v.holder, v.fencing_token,
        coalesce((SELECT h.shared FROM helix_holds AS h WHERE h.id = v.id),
                 (SELECT e.shared FROM helix_lock_history AS e WHERE e.id = v.id)) AS shared,
        coalesce((SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = v.id),
-                (SELECT e.hold_limit_at FROM helix_lock_history AS e WHERE e.id = v.id)) AS hold_limit_at"""
+                (SELECT e.hold_limit_at FROM helix_lock_history AS e WHERE e.id = v.id)) AS hold_limit_at,
+       coalesce((SELECT h.closed_until FROM helix_holds AS h WHERE h.id = v.id),
+                (SELECT e.closed_until FROM helix_lock_history AS e WHERE e.id = v.id)) AS closed_until"""
 
 # The reader's poll: its own window from the snapshot it read last to this statement's, and a
 # window for each resumed watcher from where its catch-up ended (its bridge); one statement, so

@@ -152,6 +152,21 @@ MaxHoldSeconds = Annotated[
         examples=[3600],
     ),
 ]
+HoldAtLeastSeconds = Annotated[
+    float | None,
+    Field(
+        strict=True,
+        ge=1,
+        le=604800,
+        allow_inf_nan=False,
+        description="Close the organization and job type for this many seconds, 1 to 604800 (7 days):"
+        " no other lock of the pair is granted before acquired_at + this (closed_until), whatever"
+        " becomes of this lock, released early included; acquires meanwhile get 409 closed-until."
+        " For a job that many machines schedule, to run at most once per interval. Exclusive locks"
+        " with max_holders 1 only. Default: none.",
+        examples=[3600],
+    ),
+]
 WaitSeconds = Annotated[
     float,
     Field(
@@ -282,8 +297,19 @@ class AcquireRequest(BaseModel):
     max_holders: MaxHolders = 1
     mode: ModeField = "exclusive"
     max_hold_seconds: MaxHoldSeconds = None
+    hold_at_least_seconds: HoldAtLeastSeconds = None
 
     _shared_alone = field_validator("mode")(_one_holder_if_shared)
+
+    @field_validator("hold_at_least_seconds")
+    @classmethod
+    def _closes_for_one_holder(cls, seconds: float | None, info: ValidationInfo) -> float | None:
+        """A pair closes behind one holder: of a plain exclusive lock only."""
+        if seconds is not None and (
+            info.data.get("mode") == "shared" or info.data.get("max_holders", 1) != 1
+        ):
+            raise ValueError("hold_at_least_seconds is for exclusive locks with max_holders 1")
+        return seconds
 
 
 class RenewRequest(BaseModel):
@@ -375,6 +401,12 @@ class LockBody(BaseModel):
         default=None,
         description="acquired_at + max_hold_seconds: no lease of the lock runs past it, and after it no"
         " renewal is granted (410 hold-limit-reached); null when the acquire set no hold limit.",
+        examples=[None],
+    )
+    closed_until: datetime | None = Field(
+        default=None,
+        description="acquired_at + hold_at_least_seconds: no other lock of the organization and job"
+        " type is granted before it, whatever becomes of this one; null when the acquire set none.",
         examples=[None],
     )
 
@@ -635,6 +667,12 @@ class Problem(BaseModel):
     hold_limit_at: datetime | None = Field(
         default=None,
         description="410 hold-limit-reached only: the lock's hold limit, which has come.",
+        examples=[_EXPIRES],
+    )
+    closed_until: datetime | None = Field(
+        default=None,
+        description="409 closed-until only: no lock of the organization and job type is granted before"
+        " this time; Retry-After counts the whole seconds until then.",
         examples=[_EXPIRES],
     )
     forced_by: str | None = Field(

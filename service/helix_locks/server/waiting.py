@@ -42,6 +42,7 @@ import psycopg
 
 from helix_locks.server import queries
 from helix_locks.server.errors import (
+    ClosedUntil,
     LockHeld,
     OrganizationWaitersFull,
     TooManyWaiters,
@@ -72,6 +73,21 @@ def sleep_for(expiry_ms: int | None, left: float, again: int) -> float:
         return 0.0
     backoff: float = EXPIRY_SLACK_SECONDS * 2 ** min(again, MOST_DOUBLINGS)
     return min(left, expiry_ms / 1000 + backoff)
+
+
+def closed_past(held: LockHeld, left: float) -> bool:
+    """A closed pair (hold_at_least_seconds) that opens only after the wait's end (`left` seconds):
+    its refusal is the answer at once, since no attempt can be granted before then."""
+    return isinstance(held, ClosedUntil) and held.closed_ms / 1000 > left
+
+
+async def _expiry_ms(held: LockHeld, remaining_ms: Callable[[int], Awaitable[int | None]]) -> int | None:
+    """How long until the refusal may be over: a closed pair's opening; a held pair's lease that
+    refused (None: it has just ended); 0 for a place of another replica first (no lock_id), whose
+    grant is on the way, so soon."""
+    if isinstance(held, ClosedUntil):
+        return held.closed_ms
+    return await remaining_ms(held.lock_id) if held.lock_id is not None else 0
 
 
 class _Queue:
@@ -206,8 +222,9 @@ class Waiters:
         try:
             try:
                 return await self._granted(await attempt(None), release, gone)
-            except LockHeld:
-                if self.closing or gone.done() or loop.time() >= deadline:
+            except LockHeld as held:
+                left = deadline - loop.time()
+                if self.closing or gone.done() or left <= 0 or closed_past(held, left):
                     raise
             async with queued() as place:
                 turn = queue.places[place] = asyncio.Event()
@@ -259,8 +276,9 @@ class Waiters:
         try:
             try:
                 return await self._granted(await attempt(None), release, gone)
-            except LockHeld:
-                if self.closing or gone.done() or loop.time() >= deadline:
+            except LockHeld as held:
+                left = deadline - loop.time()
+                if self.closing or gone.done() or left <= 0 or closed_past(held, left):
                     raise
             async with queued() as place:
                 try:
@@ -274,13 +292,13 @@ class Waiters:
                             if self.closing:
                                 raise WaitInterrupted("the service is stopping") from held
                             left = deadline - loop.time()
-                            if left <= 0:
+                            if left <= 0 or closed_past(held, left):
                                 raise
                             key = (organization, held.job_type or "")
                             if key not in watched:  # its ends wake this set from now on
                                 watched.append(key)
                                 self._sets.setdefault(key, set()).add(wake)
-                            expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
+                            expiry = await _expiry_ms(held, remaining_ms)
                             again = again + 1 if expiry == 0 and held.lock_id == run_out else 0
                             run_out = held.lock_id if expiry == 0 else None
                             timer = sleep_for(expiry, left, again)
@@ -330,11 +348,9 @@ class Waiters:
                 if self.closing:
                     raise WaitInterrupted("the service is stopping") from held
                 left = deadline - loop.time()
-                if left <= 0:
-                    raise  # the wait is over: this refusal is the answer
-                # Until the holder's lease runs out; None: it just ended, so try again now. A place
-                # of another replica first (no lock_id): its grant is on the way, so soon.
-                expiry = await remaining_ms(held.lock_id) if held.lock_id is not None else 0
+                if left <= 0 or closed_past(held, left):
+                    raise  # the wait is over, or will be before the pair opens: this refusal is the answer
+                expiry = await _expiry_ms(held, remaining_ms)
                 again = again + 1 if expiry == 0 and held.lock_id == run_out else 0
                 run_out = held.lock_id if expiry == 0 else None
                 timer = sleep_for(expiry, left, again)
