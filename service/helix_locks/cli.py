@@ -155,6 +155,7 @@ def client_command(args: argparse.Namespace) -> int:
                     max_holders=args.max_holders,
                     mode="shared" if args.shared else "exclusive",
                     max_hold=args.max_hold,
+                    hold_at_least=args.hold_at_least,
                 )
                 _print_json(grant.body)
             elif args.command == "renew":
@@ -240,6 +241,17 @@ def run_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    once = args.at_most_once_per
+    if once is not None and (len(args.job_type) > 1 or args.shared or args.max_holders != 1):
+        print(
+            "helix-locks run: --at-most-once-per takes one --job-type, exclusive, without --max-holders"
+            " (it closes one key for the interval)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.skip_status is not None and once is None:
+        print("helix-locks run: --skip-status goes with --at-most-once-per", file=sys.stderr)
+        return 2
     with _client(args) as client:
         return runner.run(
             client,
@@ -252,6 +264,8 @@ def run_command(args: argparse.Namespace) -> int:
             max_holders=args.max_holders,
             shared=args.shared,
             max_hold=args.max_hold,
+            at_most_once_per=once,
+            skip_status=0 if args.skip_status is None else args.skip_status,
         )
 
 
@@ -402,7 +416,8 @@ def parser() -> argparse.ArgumentParser:
         "one session: COMMAND finds HELIX_LOCKS_SESSION_ID, and HELIX_LOCKS_LOCK_IDS and "
         "HELIX_LOCKS_FENCING_TOKENS, JSON objects by job type. "
         f"Exit status: COMMAND's (128+N if signal N ended it); {runner.EXIT_HELD} if the lock is held "
-        f"elsewhere (every slot, with --max-holders); {runner.EXIT_LOST} if the lock was lost and "
+        "elsewhere (every slot, with --max-holders) or its key is closed (with --at-most-once-per: 0, or "
+        f"--skip-status, without running COMMAND); {runner.EXIT_LOST} if the lock was lost and "
         f"COMMAND stopped; {runner.EXIT_REFUSED} if the service refused the acquire as asked (such as "
         "an invalid --org, a bad key, or a --max-holders other than the one the key's holders share) "
         f"or --url is not the service's; {runner.EXIT_UNAVAILABLE} if the service could not be reached "
@@ -415,12 +430,37 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave HELIX_LOCKS_API_KEY in COMMAND's environment (by default it is taken out)",
     )
+    run_cmd.add_argument(
+        "--at-most-once-per",
+        type=duration,
+        default=None,
+        metavar="DURATION",
+        help="a scheduled job that many machines fire (90s, 15m, 1h, up to 7d): the grant closes the key "
+        "for DURATION from the grant (by the database's clock), released or not, and a key held or closed "
+        "is this interval's run already done or under way elsewhere: exit 0 without running COMMAND",
+    )
+    run_cmd.add_argument(
+        "--skip-status",
+        type=int,
+        choices=range(256),
+        default=None,
+        metavar="N",
+        help="with --at-most-once-per, the exit status when the interval's run is elsewhere (default 0)",
+    )
     run_cmd.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")
     run_cmd.set_defaults(handler=run_command)
 
     acquire_cmd = commands.add_parser("acquire", help="acquire a lock; prints it with its token")
     lock_options(acquire_cmd, "lease in seconds (default 30)")
     acquire_cmd.add_argument("--holder", default=None, help="who holds it (default: user@host:pid)")
+    acquire_cmd.add_argument(
+        "--hold-at-least",
+        type=duration,
+        default=None,
+        metavar="DURATION",
+        help="close the key for DURATION from the grant (90s, 15m, 1h, up to 7d): no other lock of it is "
+        "granted before then, whatever becomes of this one",
+    )
     client_options(acquire_cmd)
     acquire_cmd.set_defaults(handler=client_command)
     for name, help_text in (("renew", "extend a lease"), ("release", "release a lock")):

@@ -75,6 +75,7 @@ WATCH_READ_SECONDS = 45.0
 WATCH_RETRIED = (429, 502, 503, 504)
 URN = "urn:helix-locks:problem:"
 MISMATCH = f"{URN}max-holders-mismatch"
+CLOSED = f"{URN}closed-until"
 # What the service answers to a path it has no route for, or a method it does not take there:
 # not something the SDK ever asks for, so the URL is not the service's root.
 NO_ROUTE = (f"{URN}http-404", f"{URN}http-405")
@@ -175,6 +176,17 @@ class LockHeld(HelixError):
         self.waiting: int | None = problem.get("waiting")
 
 
+class ClosedUntil(LockHeld):
+    """An acquire with hold_at_least closed the key (409 closed-until): no lock of it is granted
+    before `closed_until` (RFC 3339, the database's time), whoever holds it now, if anyone.
+    `retry_after` counts the seconds until then."""
+
+    def __init__(self, problem: Mapping[str, Any], retry_after: float, request_id: str | None = None) -> None:
+        super().__init__(problem, retry_after, request_id)
+        self.closed_until: str | None = problem.get("closed_until")
+        self.args = (f"closed until {self.closed_until}",)
+
+
 class MaxHoldersMismatch(ApiError):
     """The key's held locks share another max_holders than the acquire named (409
     max-holders-mismatch): a configuration error, which waiting does not cure. `max_holders` is
@@ -228,6 +240,8 @@ class Grant:
     # the service put it after the grant (database times both, never this machine's wall clock).
     hold_limit_at: str | None = None
     held_until: float | None = field(default=None, repr=False)
+    # Until when the grant closed its key (hold_at_least), as the service said it, or None.
+    closed_until: str | None = None
     kind = "locks"  # the path its renewal and release go to
 
 
@@ -317,6 +331,8 @@ def _error_for(response: httpx.Response, holding: bool, base_url: str) -> HelixE
     request_id = response.headers.get("x-request-id")
     if response.status_code == 409 and problem.get("type") == MISMATCH:
         return MaxHoldersMismatch(problem, request_id)
+    if response.status_code == 409 and problem.get("type") == CLOSED:
+        return ClosedUntil(problem, _retry_after(response, 1.0), request_id)
     if response.status_code == 409:
         return LockHeld(problem, _retry_after(response, 1.0), request_id)
     if response.status_code == 410 or (holding and response.status_code in GONE):
@@ -430,6 +446,7 @@ def _acquire_body(
     max_holders: int = 1,
     mode: str = "exclusive",
     max_hold: float | None = None,
+    hold_at_least: float | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "organization_id": organization_id,
@@ -445,6 +462,8 @@ def _acquire_body(
         body["mode"] = mode
     if max_hold is not None:
         body["max_hold_seconds"] = max_hold
+    if hold_at_least is not None:
+        body["hold_at_least_seconds"] = hold_at_least
     return body
 
 
@@ -485,6 +504,7 @@ def _grant(body: Acquired, ttl: float, sent_at: float) -> Grant:
         mode=body.get("mode", "exclusive"),  # absent from a service older than modes
         hold_limit_at=body.get("hold_limit_at"),  # absent from a service older than hold limits
         held_until=_held_until(body, sent_at),
+        closed_until=body.get("closed_until"),  # absent from a service older than closed keys
     )
 
 
@@ -861,8 +881,11 @@ class _Core:
         max_holders: int = 1,
         mode: str = "exclusive",
         max_hold: float | None = None,
+        hold_at_least: float | None = None,
     ) -> Flow[Grant]:
-        body = _acquire_body(organization_id, job_type, ttl, holder, metadata, max_holders, mode, max_hold)
+        body = _acquire_body(
+            organization_id, job_type, ttl, holder, metadata, max_holders, mode, max_hold, hold_at_least
+        )
         return (yield from self._granted("/v1/locks", body, ttl, wait, _grant))
 
     def _open_session(
@@ -934,8 +957,8 @@ class _Core:
                 return response.json(), started
             except LockHeld as held:
                 left = give_up - time.monotonic()
-                if left <= 0:
-                    raise
+                if left <= 0 or (isinstance(held, ClosedUntil) and held.retry_after > left):
+                    raise  # the wait is over, or will be before the key opens
                 # The service waited as long as it would (a round ends at its 60 s): ask again
                 # soon, but never in a tight loop against one that answers 409 at once (a service
                 # without waiting, a proxy), and never past the wait.
@@ -1144,6 +1167,7 @@ class LockClient(_Core):
         max_holders: int = 1,
         mode: str = "exclusive",
         max_hold: float | None = None,
+        hold_at_least: float | None = None,
     ) -> Grant:
         """Acquire, or LockHeld. With `wait`, the service waits for a held lock for up to that
         many seconds (in rounds of at most 60) before answering. With `max_holders` N, up to N
@@ -1152,9 +1176,22 @@ class LockClient(_Core):
         held beside the key's other readers (each with a lease of its own) and never beside an
         exclusive lock, which waits for every reader; a reader waits behind a waiting writer.
         With `max_hold` seconds, a hold limit: no lease of the lock runs past grant.hold_limit_at,
-        however it is renewed."""
+        however it is renewed. With `hold_at_least` seconds, the grant closes the key until
+        grant.closed_until, whatever becomes of the lock: every acquire meanwhile gets ClosedUntil
+        (a LockHeld), at once when its wait would end before then."""
         return self._run(
-            self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode, max_hold)
+            self._acquire(
+                organization_id,
+                job_type,
+                ttl,
+                holder,
+                metadata,
+                wait,
+                max_holders,
+                mode,
+                max_hold,
+                hold_at_least,
+            )
         )
 
     def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> Renewed:
@@ -1351,13 +1388,15 @@ class LockClient(_Core):
         max_holders: int = 1,
         mode: str = "exclusive",
         max_hold: float | None = None,
+        hold_at_least: float | None = None,
     ) -> Iterator[SyncLease]:
         """Hold the lock for the block: renewed every ttl/3 in a thread, released at the end.
         With `max_holders` N, a semaphore: up to N blocks hold the key at once (lease.slot).
         `mode="shared"`: a reader, held beside other readers, never beside an exclusive lock.
-        With `max_hold` seconds, the lease counts as lost before its hold limit, as before its end."""
+        With `max_hold` seconds, the lease counts as lost before its hold limit, as before its end.
+        With `hold_at_least` seconds, the key stays closed until grant.closed_until after the block."""
         grant = self.acquire(
-            organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode, max_hold
+            organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode, max_hold, hold_at_least
         )
         lease = SyncLease(grant, self)
         stop = threading.Event()
@@ -1429,10 +1468,22 @@ class AsyncLockClient(_Core):
         max_holders: int = 1,
         mode: str = "exclusive",
         max_hold: float | None = None,
+        hold_at_least: float | None = None,
     ) -> Grant:
         """As LockClient.acquire."""
         return await self._run(
-            self._acquire(organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode, max_hold)
+            self._acquire(
+                organization_id,
+                job_type,
+                ttl,
+                holder,
+                metadata,
+                wait,
+                max_holders,
+                mode,
+                max_hold,
+                hold_at_least,
+            )
         )
 
     async def renew(self, lock_id: int, token: str, ttl: float, within: float = 10.0) -> Renewed:
@@ -1611,10 +1662,11 @@ class AsyncLockClient(_Core):
         max_holders: int = 1,
         mode: str = "exclusive",
         max_hold: float | None = None,
+        hold_at_least: float | None = None,
     ) -> AsyncIterator[AsyncLease]:
         """As LockClient.lock, renewed by a task."""
         grant = await self.acquire(
-            organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode, max_hold
+            organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode, max_hold, hold_at_least
         )
         lease = AsyncLease(grant, self)
         renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")

@@ -43,6 +43,9 @@ class Lock(TypedDict):
     # acquired_at + max_hold_seconds: no lease of the lock runs past it; None without a hold
     # limit; absent from a service older than hold limits.
     hold_limit_at: NotRequired[str | None]
+    # acquired_at + hold_at_least_seconds: no other lock of the key is granted before it; None
+    # when the acquire closed nothing; absent from a service older than closed keys.
+    closed_until: NotRequired[str | None]
 
 
 class Reclaimed(TypedDict):

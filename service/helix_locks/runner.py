@@ -4,7 +4,8 @@ not at all, renewed with one request).
 
 The command runs in a process group of its own, so that stopping it stops everything it started
 (a shell wrapper's children included). Exit statuses: the command's own, or 128+N if signal N
-ended it; EXIT_HELD when another holder has the lock (every slot, for a semaphore); EXIT_LOST
+ended it; EXIT_HELD when another holder has the lock (every slot, for a semaphore), or it is closed;
+with at_most_once_per, the skip status instead (0 by default: the interval's run is elsewhere); EXIT_LOST
 when the lock was lost and the command stopped; EXIT_REFUSED when the service refused the acquire
 as it was asked (an invalid organization id, a bad key, a max_holders other than the held
 locks') or the URL is not the service's; EXIT_UNAVAILABLE when the service could not be reached
@@ -25,6 +26,7 @@ from types import FrameType
 
 from helix_locks.client import (
     ApiError,
+    ClosedUntil,
     Grant,
     HelixError,
     Lease,
@@ -107,15 +109,22 @@ def run(
     max_holders: int = 1,
     shared: bool = False,
     max_hold: float | None = None,
+    at_most_once_per: float | None = None,
+    skip_status: int = 0,
 ) -> int:
+    """Run `command` under the lock; its status, or one of the module's. With `at_most_once_per`
+    seconds, the lock closes its key for that long from its grant (hold_at_least), and a key held
+    or closed is this interval's run done or under way elsewhere: `skip_status`, without running
+    the command."""
     # Until the command exists, a signal ends `run` itself (with 128+N, as the command would).
     previous = {signum: signal.signal(signum, _interrupt) for signum in FORWARDED}
     # The command gets no API key of ours unless asked: it holds the lock, not the key.
     env = {k: v for k, v in os.environ.items() if pass_api_key or k != API_KEY_VARIABLE}
     try:
         return _run(
-            client, organization_id, job_types, ttl, wait, command, env, max_holders, shared, max_hold
-        )
+            client, organization_id, job_types, ttl, wait, command, env, max_holders, shared, max_hold,
+            at_most_once_per, skip_status,
+        )  # fmt: skip
     except Interrupted as interrupted:
         say(f"interrupted by signal {interrupted.signum} before the command started")
         return 128 + interrupted.signum
@@ -163,6 +172,8 @@ def _run(
     max_holders: int = 1,
     shared: bool = False,
     max_hold: float | None = None,
+    at_most_once_per: float | None = None,
+    skip_status: int = 0,
 ) -> int:
     job_type = job_types[0]
     grant: Grant | SessionGrant
@@ -177,6 +188,7 @@ def _run(
                 max_holders=max_holders,
                 mode=mode,
                 max_hold=max_hold,
+                hold_at_least=at_most_once_per,
             )
         else:
             grant = client.open_session(
@@ -189,7 +201,20 @@ def _run(
             )
     except LockHeld as held:
         job_type = held.job_type or job_type
-        if held.max_holders > 1:
+        if at_most_once_per is not None:
+            why = (
+                f"closed until {held.closed_until}"
+                if isinstance(held, ClosedUntil)
+                else f"held by {held.holder} until {held.expires_at}"
+            )
+            say(
+                f"{organization_id}/{job_type} is {why}: this interval's run is elsewhere;"
+                " not running the command"
+            )
+            return skip_status
+        if isinstance(held, ClosedUntil):
+            say(f"{organization_id}/{job_type} is closed until {held.closed_until}")
+        elif held.max_holders > 1:
             say(
                 f"all {held.max_holders} slots of {organization_id}/{job_type} are held;"
                 f" the first lease ends at {held.expires_at}"

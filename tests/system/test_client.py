@@ -21,7 +21,7 @@ import pytest
 from harness.processes import ROOT, running_service
 from harness.proxies import plain_http_server
 from helix_locks import runner
-from helix_locks.client import LockClient, LockHeld, LockLost
+from helix_locks.client import ClosedUntil, LockClient, LockHeld, LockLost
 
 
 def test_importing_the_sdk_and_its_command_line_needs_httpx_only() -> None:
@@ -336,6 +336,58 @@ def test_run_shared_holds_beside_other_readers_and_a_writer_waits_for_them(
     assert int((tmp_path / "writer").read_text()) > tokens[-1], "the writer's token is above every reader's"
     assert writer.returncode == 75 and "2 shared lock(s)" in writer_err, writer_err
     assert both.returncode == 2 and "--shared takes no --max-holders" in both_err, both_err
+
+
+def test_run_at_most_once_per_runs_the_interval_s_command_once_and_skips_the_rest(
+    db_url: str, tmp_path: Path
+) -> None:
+    """`run --at-most-once-per` closes the key for the interval: the first run runs COMMAND and
+    releases; the next finds the key closed and exits 0 without running it, saying why (or with
+    --skip-status); a second --job-type or --skip-status alone are refused before any request."""
+    ran = tmp_path / "ran"
+    command = ["--", "sh", "-c", f"echo $HELIX_LOCKS_FENCING_TOKEN >> {ran}"]
+    base = ("--org", "acme", "--job-type", "cron", "--ttl", "5", "--at-most-once-per", "10m")
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        first = helix_run(url, *base, *command, stderr=subprocess.PIPE)
+        _, first_err = first.communicate(timeout=30)
+        late = helix_run(url, *base, *command, stderr=subprocess.PIPE)
+        _, late_err = late.communicate(timeout=30)
+        told = helix_run(url, *base, "--skip-status", "3", *command, stderr=subprocess.PIPE)
+        _, told_err = told.communicate(timeout=30)
+        with LockClient(url) as client:
+            assert client.current("acme", "cron") is None, "the first run released its lock"
+        several = helix_run(url, *base, "--job-type", "other", *command, stderr=subprocess.PIPE)
+        _, several_err = several.communicate(timeout=30)
+        alone = helix_run(
+            url, "--org", "acme", "--job-type", "x", "--skip-status", "3", *command, stderr=subprocess.PIPE
+        )
+        _, alone_err = alone.communicate(timeout=30)
+    assert first.returncode == 0, first_err
+    assert ran.read_text().split() == ["1"], "COMMAND ran once, under the interval's only grant"
+    assert late.returncode == 0 and "closed until" in late_err and "not running" in late_err, late_err
+    assert told.returncode == 3, told_err
+    assert several.returncode == 2 and "takes one --job-type" in several_err, several_err
+    assert alone.returncode == 2 and "goes with --at-most-once-per" in alone_err, alone_err
+
+
+def test_the_sdk_is_told_a_closed_key_and_waits_for_it_only_when_it_can(db_url: str, tmp_path: Path) -> None:
+    """ClosedUntil (a LockHeld) names closed_until; a wait that ends before it is not waited out,
+    and one that ends after it is granted once the key opens (by the database's clock)."""
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
+        long = client.acquire("acme", "long", hold_at_least=600)
+        client.release(long.id, long.token)
+        started = time.monotonic()
+        with pytest.raises(ClosedUntil) as closed:
+            client.acquire("acme", "long", wait=20)
+        assert closed.value.closed_until == long.closed_until and time.monotonic() - started < 20
+        short = client.acquire("acme", "short", hold_at_least=2)
+        client.release(short.id, short.token)
+        after = client.acquire("acme", "short", wait=20)
+    assert short.closed_until is not None
+    assert datetime.fromisoformat(after.body["acquired_at"]) >= datetime.fromisoformat(short.closed_until)
 
 
 def test_run_with_several_job_types_holds_all_their_locks_at_once_in_one_session(
