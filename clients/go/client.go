@@ -325,12 +325,17 @@ func (c *Client) errorFor(got *answer, holding bool) error {
 		}
 		return newLockHeld(*api, wait)
 	case got.status == http.StatusGone || (holding && lockGone[got.status]):
-		return &LockLostError{
+		lost := &LockLostError{
 			Reason:    strings.TrimSpace(fmt.Sprintf("%d: %s", got.status, got.problem.said())),
 			Status:    got.status,
 			Problem:   got.problem,
 			RequestID: api.RequestID,
 		}
+		if got.status == http.StatusGone && api.Kind() == "hold-limit-reached" {
+			lost.holdLimit = true
+			lost.holdLimitAt, _ = time.Parse(time.RFC3339Nano, got.problem.String("hold_limit_at"))
+		}
+		return lost
 	case got.status == http.StatusForbidden && api.Kind() == "token-mismatch":
 		return &TokenMismatchError{*api}
 	}

@@ -27,4 +27,9 @@
 // by the wall clock. WithLock and WithSession cancel the callback's context a safety margin (a
 // tenth of the lease, at least 100 ms) before that moment when renewals have not succeeded, or
 // as soon as a renewal is refused (403, 404, 410).
+//
+// A hold limit (AcquireOptions.MaxHold, SessionOptions.MaxHold) bounds a worker that hangs while
+// its renewals go on: no lease runs past the grant plus MaxHold, however the holder renews, and
+// the callback's context is cancelled a safety margin before it, with a HoldLimitError inside the
+// LockLostError that Err and WithLock return. Choose a little more than the longest honest run.
 package helixlocks

@@ -269,6 +269,11 @@ type LockLostError struct {
 	// Cause is, from WithLock and WithSession, the callback's own error when it failed too (or the
 	// release's failure); errors.Is and errors.As look there through Unwrap.
 	Cause error
+
+	// holdLimit: the loss is the hold limit's (errors.As finds a HoldLimitError), which came at
+	// holdLimitAt as the service named it (zero when it did not).
+	holdLimit   bool
+	holdLimitAt time.Time
 }
 
 func (e *LockLostError) Error() string {
@@ -281,14 +286,24 @@ func (e *LockLostError) Error() string {
 // Unwrap is Cause.
 func (e *LockLostError) Unwrap() error { return e.Cause }
 
-// As lets errors.As find a TokenMismatchError in the loss that a 403 token-mismatch told.
+// As lets errors.As find a TokenMismatchError in the loss that a 403 token-mismatch told, and a
+// HoldLimitError in a loss to the hold limit.
 func (e *LockLostError) As(target any) bool {
-	mismatch, ok := target.(**TokenMismatchError)
-	if !ok || e.Status != 403 || e.Problem.Kind() != "token-mismatch" {
-		return false
+	switch target := target.(type) {
+	case **TokenMismatchError:
+		if e.Status != 403 || e.Problem.Kind() != "token-mismatch" {
+			return false
+		}
+		*target = &TokenMismatchError{APIError{Status: e.Status, Problem: e.Problem, RequestID: e.RequestID}}
+		return true
+	case **HoldLimitError:
+		if !e.holdLimit {
+			return false
+		}
+		*target = &HoldLimitError{LockLostError: *e, HoldLimitAt: e.holdLimitAt}
+		return true
 	}
-	*mismatch = &TokenMismatchError{APIError{Status: e.Status, Problem: e.Problem, RequestID: e.RequestID}}
-	return true
+	return false
 }
 
 // ReleasedByItsToken says whether the lock was released with this holder's own token, by an
@@ -307,6 +322,27 @@ func (e *LockLostError) withCause(cause error) *LockLostError {
 	copied := *e
 	copied.Cause = cause
 	return &copied
+}
+
+// HoldLimitError says that the hold limit (AcquireOptions.MaxHold, SessionOptions.MaxHold) has
+// come, or is about to: a renewal was answered 410 hold-limit-reached, or the safety margin before
+// the limit was reached on this process's monotonic clock. No renewal takes a lease past the
+// limit, however well the holder is doing, so the lock is lost as any LockLostError says, and the
+// next acquire of the key reclaims it once the limit has come. It comes inside a LockLostError,
+// as a TokenMismatchError does: errors.As finds either.
+type HoldLimitError struct {
+	LockLostError
+	// HoldLimitAt is the limit as the service named it (hold_limit_at); zero when it did not.
+	HoldLimitAt time.Time
+}
+
+// As lets errors.As find the LockLostError in a HoldLimitError.
+func (e *HoldLimitError) As(target any) bool {
+	if lost, ok := target.(**LockLostError); ok {
+		*lost = &e.LockLostError
+		return true
+	}
+	return e.LockLostError.As(target)
 }
 
 // UnavailableError says that the service could not be reached, or kept answering 502, 503 or 504,

@@ -31,9 +31,35 @@ func leaseOf(ttl time.Duration, remainingMs int64) time.Duration {
 	return remaining
 }
 
+// term is what an answer about a held lease (its grant's, a renewal's) says of its end, counted
+// from the send of the request it answered.
+type term struct {
+	// lease is how long the lease lasts (leaseOf).
+	lease time.Duration
+	// holdLimitAt is the hold limit as the answer named it (nil: none), which has surely come hold
+	// after the send.
+	holdLimitAt *time.Time
+	hold        time.Duration
+}
+
+// termOf is an answer's term. Its hold limit lies as far beyond the lease's end as the answer puts
+// it (hold_limit_at - expires_at, database times both, never this machine's wall clock), and the
+// lease's end ttl_remaining_ms after the answer, which came after the send: counted from the send,
+// the limit never comes later than the service's.
+func termOf(ttl time.Duration, expiresAt time.Time, remainingMs int64, holdLimitAt *time.Time) term {
+	t := term{lease: leaseOf(ttl, remainingMs), holdLimitAt: holdLimitAt}
+	if holdLimitAt != nil {
+		t.hold = holdLimitAt.Sub(expiresAt) + time.Duration(remainingMs)*time.Millisecond
+		if t.hold < 0 {
+			t.hold = 0
+		}
+	}
+	return t
+}
+
 // held is a held lock or session: its context, its clock and its renewals. The moment the lock
 // may end by this process's clock is `ends`: the lease's end, counted from the latest successful
-// renewal's send (another bound on a hold, such as a hold limit, would be taken into it there).
+// renewal's send, or the hold limit if that comes first.
 type held struct {
 	ttl    time.Duration
 	safety time.Duration
@@ -45,27 +71,36 @@ type held struct {
 	stopRenewing context.CancelFunc
 	renewerDone  chan struct{}
 	lostCh       chan struct{}
-	// renewOnce sends one renewal, keeps its answer, and returns the lease the answer gave.
-	renewOnce func(ctx context.Context, within time.Duration) (time.Duration, error)
+	// renewOnce sends one renewal, keeps its answer, and returns the term the answer gave.
+	renewOnce func(ctx context.Context, within time.Duration) (term, error)
 
 	mu     sync.Mutex
 	sentAt time.Time // monotonic: when the latest successful renewal (or the grant) was sent
 	ends   time.Time
-	lost   *LockLostError
-	timer  *time.Timer
+	// limit is when the hold limit has surely come, by the monotonic clock (zero: no limit), and
+	// holdLimitAt the service's word for it.
+	limit       time.Time
+	holdLimitAt time.Time
+	lost        *LockLostError
+	timer       *time.Timer
 }
 
-func newHeld(parent context.Context, ttl time.Duration, sentAt time.Time, lease time.Duration,
-	renewOnce func(context.Context, time.Duration) (time.Duration, error)) *held {
+func newHeld(parent context.Context, ttl time.Duration, sentAt time.Time, first term,
+	renewOnce func(context.Context, time.Duration) (term, error)) *held {
 	h := &held{
 		ttl:         ttl,
-		safety:      ttl / safetyDivisor,
 		renewerDone: make(chan struct{}),
 		lostCh:      make(chan struct{}),
 		renewOnce:   renewOnce,
-		sentAt:      sentAt,
-		ends:        sentAt.Add(lease),
 	}
+	h.count(sentAt, first)
+	// A lease that the hold limit makes shorter than the ttl has the margin of a lease that long:
+	// a tenth of the ttl could take all of a short hold.
+	lease := ttl
+	if first.holdLimitAt != nil && first.hold < lease {
+		lease = first.hold
+	}
+	h.safety = lease / safetyDivisor
 	if h.safety < minSafety {
 		h.safety = minSafety
 	}
@@ -78,15 +113,17 @@ func newHeld(parent context.Context, ttl time.Duration, sentAt time.Time, lease 
 }
 
 // Context is the context handed to the callback: cancelled the moment the lock may be lost (a
-// renewal refused, or the lease's safety margin reached on this process's monotonic clock), once
-// the lock is released, and when the context it was made from is.
+// renewal refused, or the safety margin before the lease's end or its hold limit reached on this
+// process's monotonic clock), once the lock is released, and when the context it was made from
+// is. Go 1.19's contexts carry no cause: Err says why.
 func (h *held) Context() context.Context { return h.ctx }
 
 // Done is closed the moment the lock may be lost, or once it was released: a channel to select
 // on, as Consul's lock has.
 func (h *held) Done() <-chan struct{} { return h.lostCh }
 
-// Err is nil while the lock is surely held, else the LockLostError that says why not.
+// Err is nil while the lock is surely held, else the LockLostError that says why not (with a
+// HoldLimitError inside, for errors.As, when the hold limit ended it).
 func (h *held) Err() error {
 	if lost := h.lostReason(); lost != nil {
 		return lost
@@ -100,12 +137,34 @@ func (h *held) Check() error { return h.Err() }
 // Lost says whether the lock may be lost (or was released).
 func (h *held) Lost() bool { return h.lostReason() != nil }
 
-// Remaining is how long until the lease could lapse by this process's clock, less the safety
-// margin; negative once it has.
+// Remaining is how long until the lease could lapse (or its hold limit come) by this process's
+// clock, less the safety margin; negative once it has.
 func (h *held) Remaining() time.Duration {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return time.Until(h.ends.Add(-h.safety))
+}
+
+// AtHoldLimit says whether the lease ends at the hold limit: no renewal takes it further, so
+// none is sent, and the context is cancelled the safety margin before the limit.
+func (h *held) AtHoldLimit() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.atLimit()
+}
+
+func (h *held) atLimit() bool { return !h.limit.IsZero() && !h.limit.After(h.ends) }
+
+// count counts the lease from the send of the request whose answer gave t.
+func (h *held) count(sentAt time.Time, t term) {
+	h.sentAt, h.ends = sentAt, sentAt.Add(t.lease)
+	if t.holdLimitAt != nil {
+		// The latest answer's count of the limit: from the latest send, the least clock drift.
+		h.limit, h.holdLimitAt = sentAt.Add(t.hold), *t.holdLimitAt
+	}
+	if !h.limit.IsZero() && h.limit.Before(h.ends) {
+		h.ends = h.limit
+	}
 }
 
 func (h *held) lostReason() *LockLostError {
@@ -118,7 +177,12 @@ func (h *held) lostReason() *LockLostError {
 // checkClock loses the lease once its safety margin is reached; it says whether it is lost.
 func (h *held) checkClock() bool {
 	if h.lost == nil && !time.Now().Before(h.ends.Add(-h.safety)) {
-		h.loseLocked(&LockLostError{Reason: "the lease may have lapsed: renewals did not succeed in time"})
+		if h.atLimit() {
+			h.loseLocked(&LockLostError{Reason: "the hold limit comes at " + h.holdLimitAt.Format(time.RFC3339Nano) +
+				": no lease runs past it", holdLimit: true, holdLimitAt: h.holdLimitAt})
+		} else {
+			h.loseLocked(&LockLostError{Reason: "the lease may have lapsed: renewals did not succeed in time"})
+		}
 	}
 	return h.lost != nil
 }
@@ -163,17 +227,18 @@ func (h *held) loseLocked(reason *LockLostError) {
 }
 
 // renewed counts the lease from a successful renewal's send, unless a later one was counted.
-func (h *held) renewed(sentAt time.Time, lease time.Duration) {
+func (h *held) renewed(sentAt time.Time, t term) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.lost != nil || !sentAt.After(h.sentAt) {
 		return // a lease counted lost stays lost
 	}
-	h.sentAt, h.ends = sentAt, sentAt.Add(lease)
+	h.count(sentAt, t)
 	h.arm()
 }
 
-// keepAlive renews every ttl/3 from the previous renewal's send until stopped or lost.
+// keepAlive renews every ttl/3 from the previous renewal's send until stopped or lost, or until
+// the lease ends at the hold limit.
 func (h *held) keepAlive() {
 	defer close(h.renewerDone)
 	period := h.ttl / 3
@@ -181,6 +246,12 @@ func (h *held) keepAlive() {
 	sent := h.sentAt
 	h.mu.Unlock()
 	for {
+		if h.AtHoldLimit() {
+			// No renewal takes the lease past the limit: the clock ends it (the renewals' context
+			// is cancelled then too).
+			<-h.renewing.Done()
+			return
+		}
 		if sleep(h.renewing, time.Until(sent.Add(period))) != nil || h.Lost() {
 			return
 		}
@@ -190,9 +261,9 @@ func (h *held) keepAlive() {
 		if within < minWithin {
 			within = minWithin
 		}
-		lease, err := h.renewOnce(h.renewing, within)
+		t, err := h.renewOnce(h.renewing, within)
 		if err == nil {
-			h.renewed(started, lease)
+			h.renewed(started, t)
 			continue
 		}
 		if h.renewing.Err() != nil || h.Lost() {
@@ -220,6 +291,11 @@ func (h *held) stop() {
 // renewal refused (410, 403, 404), or the lease's safety margin (a tenth of the TTL, at least
 // 100 ms) reached on this process's monotonic clock because renewals did not succeed in time.
 // Err then says why. Both happen too once WithLock has released the lock.
+//
+// With a hold limit (AcquireOptions.MaxHold), the limit is the end of the lease however the
+// renewals go: the context is cancelled a safety margin before it (a tenth of the shorter of the
+// TTL and the hold, at least 100 ms), and Err is then a LockLostError with a HoldLimitError
+// inside. The limit is counted as the lease is, from the send of the latest answer that named it.
 type Lease struct {
 	*held
 	client *Client
@@ -287,19 +363,19 @@ func (l *Lease) Update(ctx context.Context, metadata map[string]any) (*Lock, err
 	return lock, nil
 }
 
-func (l *Lease) renewOnce(ctx context.Context, within time.Duration) (time.Duration, error) {
+func (l *Lease) renewOnce(ctx context.Context, within time.Duration) (term, error) {
 	renewed, err := l.client.renew(ctx, l.grant.ID, l.grant.token, l.grant.TTL, within)
 	if err != nil {
-		return 0, err
+		return term{}, err
 	}
 	l.keep(renewed.Lock)
-	return leaseOf(l.grant.TTL, renewed.TTLRemainingMs), nil
+	return termOf(l.grant.TTL, renewed.ExpiresAt, renewed.TTLRemainingMs, renewed.HoldLimitAt), nil
 }
 
 // SessionLease is a held session (all its locks), renewed in the background every TTL/3 with one
 // request while WithSession's callback runs. Its Context is cancelled, and Done closed, as a
 // Lease's, the moment any of its locks may be lost (the service ends a session that lost one,
-// releasing the rest).
+// releasing the rest), and before its hold limit (SessionOptions.MaxHold), as a Lease's.
 type SessionLease struct {
 	*held
 	client *Client
@@ -328,17 +404,17 @@ func (s *SessionLease) Session() Session {
 	return s.session
 }
 
-func (s *SessionLease) renewOnce(ctx context.Context, within time.Duration) (time.Duration, error) {
+func (s *SessionLease) renewOnce(ctx context.Context, within time.Duration) (term, error) {
 	renewed, err := s.client.renewSession(ctx, s.grant.ID, s.grant.token, s.grant.TTL, within)
 	if err != nil {
-		return 0, err
+		return term{}, err
 	}
 	s.answerMu.Lock()
 	if !s.Lost() {
 		s.session = renewed.Session
 	}
 	s.answerMu.Unlock()
-	return leaseOf(s.grant.TTL, renewed.TTLRemainingMs), nil
+	return termOf(s.grant.TTL, renewed.ExpiresAt, renewed.TTLRemainingMs, renewed.HoldLimitAt), nil
 }
 
 // WithLock holds the lock while fn runs: it acquires (waiting up to opts.Wait), renews every
@@ -350,7 +426,9 @@ func (s *SessionLease) renewOnce(ctx context.Context, within time.Duration) (tim
 // the acquire's error (LockHeldError, MaxHoldersMismatchError, UnavailableError, APIError, or
 // ctx's) without calling fn. A release that fails otherwise than by the lock being lost leaves
 // the lease to lapse. After an acquire that took longer than a renewal period (a wait), it renews
-// once before fn starts, and counts the lease from that renewal.
+// once before fn starts, and counts the lease from that renewal. With opts.MaxHold, fn's context
+// is cancelled before the lock's hold limit, however the renewals go, and WithLock returns a
+// LockLostError with a HoldLimitError inside (errors.As finds it).
 func (c *Client) WithLock(ctx context.Context, opts AcquireOptions, fn func(ctx context.Context, lease *Lease) error) error {
 	if fn == nil {
 		return errors.New("helixlocks: WithLock needs a function to run while holding the lock")
@@ -359,7 +437,7 @@ func (c *Client) WithLock(ctx context.Context, opts AcquireOptions, fn func(ctx 
 	if err != nil {
 		return err
 	}
-	sentAt, lease, latest := grant.sentAt, leaseOf(grant.TTL, grant.TTLRemainingMs), grant.Lock
+	sentAt, latest := grant.sentAt, grant.Lock
 	if time.Since(grant.sentAt) >= grant.TTL/3 {
 		started := time.Now()
 		renewed, err := c.renew(ctx, grant.ID, grant.token, grant.TTL, confirmWithin(grant.TTL))
@@ -367,10 +445,11 @@ func (c *Client) WithLock(ctx context.Context, opts AcquireOptions, fn func(ctx 
 			c.giveBack(err, func(ctx context.Context) error { return c.release(ctx, grant.ID, grant.token, time.Second) })
 			return err
 		}
-		sentAt, lease, latest = started, leaseOf(grant.TTL, renewed.TTLRemainingMs), renewed.Lock
+		sentAt, latest = started, renewed.Lock
 	}
 	l := &Lease{client: c, grant: grant, lock: latest}
-	l.held = newHeld(ctx, grant.TTL, sentAt, lease, l.renewOnce)
+	first := termOf(grant.TTL, latest.ExpiresAt, latest.TTLRemainingMs, latest.HoldLimitAt)
+	l.held = newHeld(ctx, grant.TTL, sentAt, first, l.renewOnce)
 	release := func(ctx context.Context, within time.Duration) error {
 		return c.release(ctx, grant.ID, grant.token, within)
 	}
@@ -380,7 +459,8 @@ func (c *Client) WithLock(ctx context.Context, opts AcquireOptions, fn func(ctx 
 // WithSession holds all the locks of opts.JobTypes while fn runs, in one session: opened with all
 // of them granted at once or none (LockHeldError, whose JobType names the first pair held; with
 // Wait, it waits until all are free), renewed every TTL/3 with one request for all of them, and
-// ended (every lock released) when fn returns, unless lost. It returns as WithLock does.
+// ended (every lock released) when fn returns, unless lost. It returns as WithLock does, and
+// cancels fn's context before the session's hold limit (opts.MaxHold) as WithLock does.
 func (c *Client) WithSession(ctx context.Context, opts SessionOptions,
 	fn func(ctx context.Context, session *SessionLease) error) error {
 	if fn == nil {
@@ -390,7 +470,7 @@ func (c *Client) WithSession(ctx context.Context, opts SessionOptions,
 	if err != nil {
 		return err
 	}
-	sentAt, lease, latest := grant.sentAt, leaseOf(grant.TTL, grant.Opened.TTLRemainingMs), grant.Opened
+	sentAt, latest := grant.sentAt, grant.Opened
 	if time.Since(grant.sentAt) >= grant.TTL/3 {
 		started := time.Now()
 		renewed, err := c.renewSession(ctx, grant.ID, grant.token, grant.TTL, confirmWithin(grant.TTL))
@@ -398,10 +478,11 @@ func (c *Client) WithSession(ctx context.Context, opts SessionOptions,
 			c.giveBack(err, func(ctx context.Context) error { return c.endSession(ctx, grant.ID, grant.token, time.Second) })
 			return err
 		}
-		sentAt, lease, latest = started, leaseOf(grant.TTL, renewed.TTLRemainingMs), renewed.Session
+		sentAt, latest = started, renewed.Session
 	}
 	s := &SessionLease{client: c, grant: grant, session: latest}
-	s.held = newHeld(ctx, grant.TTL, sentAt, lease, s.renewOnce)
+	first := termOf(grant.TTL, latest.ExpiresAt, latest.TTLRemainingMs, latest.HoldLimitAt)
+	s.held = newHeld(ctx, grant.TTL, sentAt, first, s.renewOnce)
 	release := func(ctx context.Context, within time.Duration) error {
 		return c.endSession(ctx, grant.ID, grant.token, within)
 	}

@@ -96,6 +96,54 @@ func TestALeaseLastsNoLongerThanTheServiceSaidWasLeftOfIt(t *testing.T) {
 	}
 }
 
+func TestALeaseThatEndsAtItsHoldLimitIsNotRenewedAndIsLostToTheLimitBeforeIt(t *testing.T) {
+	t.Parallel()
+	// A 3 s ttl that a 1.2 s hold cuts short, as the service answers it: the lease ends at the
+	// limit, so no renewal is sent, and the margin is a tenth of the 1.2 s, not of the 3 s.
+	grant := acquireAnswer(1200, 0)
+	grant.body["hold_limit_at"] = grant.body["expires_at"]
+	server := newScripted(t, []scriptedAnswer{grant}, &scriptedAnswer{status: 204})
+	var cancelledAfter time.Duration
+	err := server.client.WithLock(context.Background(), AcquireOptions{OrganizationID: "acme", JobType: "report",
+		TTL: 3 * time.Second, MaxHold: 1500 * time.Millisecond}, func(ctx context.Context, lease *Lease) error {
+		if !lease.AtHoldLimit() || lease.Grant().HoldLimitAt == nil {
+			t.Errorf("not at the hold limit: %v", lease.Grant().HoldLimitAt)
+		}
+		select {
+		case <-ctx.Done():
+			cancelledAfter = time.Since(server.requests()[0].at)
+		case <-time.After(5 * time.Second):
+			t.Error("the context was not cancelled")
+		}
+		return ctx.Err()
+	})
+	var limited *HoldLimitError
+	var lost *LockLostError
+	if !errors.As(err, &limited) || !errors.As(err, &lost) || lost.Status != 0 || !errors.Is(err, context.Canceled) {
+		t.Fatalf("%v", err)
+	}
+	if at := grant.body["expires_at"].(string); limited.HoldLimitAt.Format(time.RFC3339Nano) != at {
+		t.Errorf("the hold limit %s, not %s", limited.HoldLimitAt, at)
+	}
+	if cancelledAfter < 900*time.Millisecond || cancelledAfter > 1200*time.Millisecond-120*time.Millisecond+50*time.Millisecond {
+		t.Errorf("cancelled %v after the acquire reached the service, not at 1.08 s", cancelledAfter)
+	}
+	if n := count(server.requests(), "POST", "/renew") + count(server.requests(), "DELETE", "/7"); n != 0 {
+		t.Errorf("%d renewals or releases of a lease at its hold limit", n)
+	}
+	if body := string(server.requests()[0].body); !strings.Contains(body, `"max_hold_seconds":1.5`) {
+		t.Errorf("sent %s", body)
+	}
+	// Without MaxHold, no limit is sent: a service older than hold limits gets the same body.
+	server.push(acquireAnswer(5000, 0))
+	if _, err := server.client.Acquire(context.Background(), AcquireOptions{OrganizationID: "acme", JobType: "report"}); err != nil {
+		t.Fatal(err)
+	}
+	if seen := server.requests(); strings.Contains(string(seen[len(seen)-1].body), "max_hold") {
+		t.Errorf("sent %s", seen[len(seen)-1].body)
+	}
+}
+
 func TestAfterAnAcquireThatTookLongerThanARenewalPeriodTheWorkStartsOnARenewalsLease(t *testing.T) {
 	t.Parallel()
 	server := newScripted(t, []scriptedAnswer{acquireAnswer(3000, 1500*time.Millisecond), renewAnswer(3000)}, &scriptedAnswer{status: 204})

@@ -31,6 +31,12 @@ type AcquireOptions struct {
 	Holder string
 	// Metadata is the lock's metadata at grant (a JSON object of at most 8 KiB).
 	Metadata map[string]any
+	// MaxHold is a hold limit (1 s to 7 days): no lease of the lock runs past its grant plus
+	// MaxHold (Grant.HoldLimitAt, by the database's clock), however it is renewed, so a holder
+	// that hangs while its renewals go on loses the lock then; WithLock cancels the callback's
+	// context a safety margin before it, with a HoldLimitError. Choose a little more than the
+	// longest honest run: a run still going at the limit is cut short. Default 0: none.
+	MaxHold time.Duration
 }
 
 // Grant is an acquired lock: the lock object the service answered, and the token that proves
@@ -72,7 +78,8 @@ func (g *Grant) String() string {
 // the client asks again after the backoff's pause, at most Retry-After and what is left of the
 // wait. Every attempt carries one Idempotency-Key, so that a retry after a lost answer or a 503
 // (honouring Retry-After, for at most half the lease, at least 1 s) gets the same grant.
-// MaxHoldersMismatchError comes at once, never waited for.
+// MaxHoldersMismatchError comes at once, never waited for. With MaxHold, the grant's HoldLimitAt
+// is its hold limit: renewals past it are refused (HoldLimitError).
 func (c *Client) Acquire(ctx context.Context, opts AcquireOptions) (*Grant, error) {
 	ttl := opts.TTL
 	if ttl == 0 {
@@ -96,6 +103,9 @@ func (c *Client) Acquire(ctx context.Context, opts AcquireOptions) (*Grant, erro
 	}
 	if opts.Mode != "" && opts.Mode != Exclusive {
 		body["mode"] = opts.Mode
+	}
+	if opts.MaxHold != 0 {
+		body["max_hold_seconds"] = seconds(opts.MaxHold) // likewise: no limit is not sent
 	}
 	got, sentAt, err := c.granted(ctx, "/v1/locks", body, ttl, opts.Wait, nil)
 	if err != nil {
@@ -179,8 +189,9 @@ func (c *Client) granted(ctx context.Context, path string, body map[string]any, 
 	}
 }
 
-// Renew extends a held lock's lease to ttl from now, by the database's clock; LockLostError if
-// the lock is not the token's any more (403, 404, 410).
+// Renew extends a held lock's lease to ttl from now, by the database's clock, or to its hold
+// limit if that comes first (Renewed.Limited); LockLostError if the lock is not the token's any
+// more (403, 404, 410), a HoldLimitError inside it once the hold limit has come.
 func (c *Client) Renew(ctx context.Context, id int64, token string, ttl time.Duration) (*Renewed, error) {
 	return c.renew(ctx, id, token, ttl, defaultTimeout)
 }

@@ -6,6 +6,7 @@ package helixlocks
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -639,6 +640,158 @@ func TestServiceALeaseIsLostByTheClockBeforeItsExpiryWhileTheServiceIsUnreachabl
 	}
 	if lock.ReleasedAt != nil {
 		t.Errorf("released: %+v", lock)
+	}
+}
+
+func TestServiceAHoldLimitCutsTheLastLeaseShortAndThenRenewalsAreRefused(t *testing.T) {
+	t.Parallel()
+	s := theService(t)
+	locks := s.client(t, "")
+	ctx := background(t)
+	hold := 3 * time.Second
+	grant, err := locks.Acquire(ctx, AcquireOptions{OrganizationID: org, JobType: jobType("hold-limit"), TTL: time.Second, MaxHold: hold})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if grant.HoldLimitAt == nil || !grant.HoldLimitAt.Equal(grant.AcquiredAt.Add(hold)) {
+		t.Fatalf("the hold limit %v of a grant at %s", grant.HoldLimitAt, grant.AcquiredAt)
+	}
+	limit := *grant.HoldLimitAt
+	// Renewed every 0.25 s for a second: far from the limit, the lease is the ttl asked for; near
+	// it, the lease is cut short at the limit.
+	var renewed *Renewed
+	for n := 0; ; n++ {
+		renewed, err = locks.Renew(ctx, grant.ID, grant.Token(), time.Second)
+		if err != nil {
+			t.Fatalf("a renewal before the limit: %v", err)
+		}
+		if renewed.Limited {
+			if n == 0 {
+				t.Error("the first renewal, 2 s before the limit, was limited")
+			}
+			break
+		}
+		if !renewed.ExpiresAt.Before(limit) {
+			t.Fatalf("a lease to %s, past the hold limit %s, and not limited", renewed.ExpiresAt, limit)
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	if !renewed.ExpiresAt.Equal(limit) || renewed.HoldLimitAt == nil || !renewed.HoldLimitAt.Equal(limit) {
+		t.Errorf("a limited lease to %s, the hold limit %v, not %s", renewed.ExpiresAt, renewed.HoldLimitAt, limit)
+	}
+	// Once the limit has come (by the database's count of what was left), no renewal: a lock lost.
+	time.Sleep(time.Duration(renewed.TTLRemainingMs)*time.Millisecond + 100*time.Millisecond)
+	_, err = locks.Renew(ctx, grant.ID, grant.Token(), time.Second)
+	var limited *HoldLimitError
+	var lost *LockLostError
+	if !errors.As(err, &limited) || !errors.As(err, &lost) || lost.Status != 410 || lost.Problem.Kind() != "hold-limit-reached" {
+		t.Fatalf("%v", err)
+	}
+	if !limited.HoldLimitAt.Equal(limit) || limited.Status != 410 {
+		t.Errorf("%+v", limited)
+	}
+	if !errors.As(limited, &lost) || lost.Status != 410 {
+		t.Errorf("a HoldLimitError that is not a LockLostError: %v", limited)
+	}
+
+	// A session's hold limit: a 30 s ttl cut short to its 2 s, at the opening and at a renewal.
+	session, err := locks.OpenSession(ctx, SessionOptions{OrganizationID: org, JobTypes: []string{jobType("hold-limit-session")},
+		TTL: 30 * time.Second, MaxHold: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	opened := session.Opened
+	if opened.HoldLimitAt == nil || !opened.ExpiresAt.Equal(*opened.HoldLimitAt) {
+		t.Errorf("a session's lease to %s, its hold limit %v", opened.ExpiresAt, opened.HoldLimitAt)
+	}
+	if renewedSession, err := locks.RenewSession(ctx, session.ID, session.Token(), 30*time.Second); err != nil ||
+		!renewedSession.Limited || !renewedSession.ExpiresAt.Equal(opened.ExpiresAt) {
+		t.Errorf("%+v, %v", renewedSession, err)
+	}
+	if err := locks.EndSession(ctx, session.ID, session.Token()); err != nil {
+		t.Error(err)
+	}
+
+	// A hold limit under a second is the service's to refuse.
+	_, err = locks.Acquire(ctx, AcquireOptions{OrganizationID: org, JobType: jobType("hold-limit"), MaxHold: 500 * time.Millisecond})
+	var api *APIError
+	if !errors.As(err, &api) || api.Status != 422 || len(api.Problem.Errors) == 0 || !strings.Contains(api.Problem.Errors[0].Field, "max_hold_seconds") {
+		t.Errorf("%v", err)
+	}
+}
+
+func TestServiceWithLockCancelsAHungCallbacksContextBeforeTheHoldLimit(t *testing.T) {
+	t.Parallel()
+	s := theService(t)
+	proxy := newFaultyProxy(t, s.url) // to see the renewals
+	locks := s.client(t, proxy.server.URL)
+	direct := s.client(t, "") // the database's word, over a connection opened before the cancellation
+	ctx := background(t)
+	var started, cancelled time.Time
+	var lease *Lease
+	var after *Lock
+	sent := time.Now()
+	err := locks.WithLock(ctx, AcquireOptions{OrganizationID: org, JobType: jobType("hung"), TTL: 2 * time.Second, MaxHold: 3 * time.Second},
+		func(ctx context.Context, held *Lease) error {
+			started, lease = time.Now(), held
+			if _, err := direct.Get(ctx, held.ID()); err != nil {
+				t.Error(err)
+			}
+			select { // the work hangs while the renewals go on: only its context stops it
+			case <-ctx.Done():
+				cancelled = time.Now()
+				var err error
+				if after, err = direct.Get(context.Background(), held.ID()); err != nil {
+					t.Error(err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Error("the context was not cancelled")
+			}
+			return ctx.Err()
+		})
+	var limited *HoldLimitError
+	var lost *LockLostError
+	if !errors.As(err, &limited) || !errors.As(err, &lost) || lost.Status != 0 || !errors.Is(err, context.Canceled) {
+		t.Fatalf("%v", err)
+	}
+	grant := lease.Grant()
+	if grant.HoldLimitAt == nil || !limited.HoldLimitAt.Equal(*grant.HoldLimitAt) {
+		t.Fatalf("the loss's hold limit %s, the grant's %v", limited.HoldLimitAt, grant.HoldLimitAt)
+	}
+	if !errors.As(lease.Err(), &limited) {
+		t.Errorf("the lease says it was lost to %v", lease.Err())
+	}
+	// By the database's times. Asked after the cancellation, the database still had the lease
+	// (which the last renewal ended at the limit) running: the cancellation came before the limit.
+	limit := *grant.HoldLimitAt
+	if after == nil || after.State != "held" || after.TTLRemainingMs <= 0 || !after.ExpiresAt.Equal(limit) {
+		t.Fatalf("after the cancellation, the database said: %+v", after)
+	}
+	// And not long before it (the renewals kept the lock): the grant was made at AcquiredAt, which
+	// this process's clock puts between the acquire's send and the callback's start.
+	latest, earliest := grant.AcquiredAt.Add(cancelled.Sub(sent)), grant.AcquiredAt.Add(cancelled.Sub(started))
+	t.Logf("cancelled between %v and %v before the hold limit; %d ms were left at the database's next answer",
+		limit.Sub(latest), limit.Sub(earliest), after.TTLRemainingMs)
+	if earliest.Before(limit.Add(-time.Second)) {
+		t.Errorf("cancelled as early as %v before the hold limit", limit.Sub(earliest))
+	}
+	// Renewed until a renewal's lease reached the limit, then no more; and a lost lock is not
+	// released: its lease ends at the limit.
+	renewals := proxy.requests("POST", "/renew")
+	if len(renewals) == 0 {
+		t.Error("never renewed")
+	}
+	for i, renewal := range renewals {
+		var answer Renewed
+		if renewal.answered != 200 || json.Unmarshal(renewal.body, &answer) != nil || answer.Limited != (i == len(renewals)-1) {
+			t.Errorf("renewal %d of %d: %d %s", i+1, len(renewals), renewal.answered, renewal.body)
+		}
+	}
+	if released := proxy.requests("DELETE", ""); len(released) != 0 {
+		t.Errorf("a lost lock was released: %v", released)
+	}
+	if got, err := locks.Get(ctx, grant.ID); err != nil || got.ReleasedAt != nil || !got.ExpiresAt.Equal(limit) {
+		t.Errorf("%+v, %v", got, err)
 	}
 }
 

@@ -28,6 +28,9 @@ type SessionOptions struct {
 	Holder string
 	// Metadata is what each lock gets at its grant.
 	Metadata map[string]any
+	// MaxHold is a hold limit from the opening, as AcquireOptions.MaxHold is from a grant: no
+	// lease of the session, nor so of any of its locks (added ones too), runs past it.
+	MaxHold time.Duration
 }
 
 // AddLocksOptions name the locks added to a held session.
@@ -130,7 +133,8 @@ func sessionLocks(jobTypes, shared []string) ([]map[string]any, error) {
 
 // OpenSession opens a session holding the locks of JobTypes, all granted at once or none
 // (LockHeldError names the first pair held as JobType); with Wait, it waits until all are free.
-// Renew it with RenewSession, end it with EndSession; or let WithSession do both.
+// Renew it with RenewSession, end it with EndSession; or let WithSession do both. With MaxHold,
+// Opened.HoldLimitAt is its hold limit.
 func (c *Client) OpenSession(ctx context.Context, opts SessionOptions) (*SessionGrant, error) {
 	locks, err := sessionLocks(opts.JobTypes, opts.Shared)
 	if err != nil {
@@ -152,6 +156,9 @@ func (c *Client) OpenSession(ctx context.Context, opts SessionOptions) (*Session
 	}
 	if opts.Metadata != nil {
 		body["metadata"] = opts.Metadata
+	}
+	if opts.MaxHold != 0 {
+		body["max_hold_seconds"] = seconds(opts.MaxHold)
 	}
 	got, sentAt, err := c.granted(ctx, "/v1/sessions", body, ttl, opts.Wait, nil)
 	if err != nil {
@@ -198,8 +205,10 @@ func (c *Client) AddSessionLocks(ctx context.Context, session *SessionGrant, opt
 	return added.Locks, nil
 }
 
-// RenewSession gives the session and every one of its locks a new lease of ttl, in one request;
-// LockLostError once it ended, or lost a lock (the service then released the rest).
+// RenewSession gives the session and every one of its locks a new lease of ttl, in one request,
+// or up to its hold limit if that comes first (SessionRenewed.Limited); LockLostError once it
+// ended, or lost a lock (the service then released the rest), a HoldLimitError inside it once
+// the hold limit has come.
 func (c *Client) RenewSession(ctx context.Context, id int64, token string, ttl time.Duration) (*SessionRenewed, error) {
 	return c.renewSession(ctx, id, token, ttl, defaultTimeout)
 }

@@ -53,6 +53,10 @@ type Lock struct {
 	// SessionID is the session the lock belongs to, whose token and lease it shares; 0 for a lock
 	// on its own.
 	SessionID int64 `json:"session_id"`
+	// HoldLimitAt is the lock's hold limit: acquired_at + the acquire's MaxHold. No lease of the
+	// lock runs past it, however it is renewed. Nil without one (and from a service older than
+	// hold limits).
+	HoldLimitAt *time.Time `json:"hold_limit_at"`
 }
 
 // Reclaimed is the stale lock an acquire took over.
@@ -62,11 +66,14 @@ type Reclaimed struct {
 	ExpiredAt time.Time `json:"expired_at"`
 }
 
-// Renewed is a renewal's answer: the lock, and whether its lease had run out before the renewal
-// (nobody had reclaimed it meanwhile).
+// Renewed is a renewal's answer: the lock, whether its lease had run out before the renewal
+// (nobody had reclaimed it meanwhile), and whether the hold limit cut the new lease short.
 type Renewed struct {
 	Lock
 	Lapsed bool `json:"lapsed"`
+	// Limited: the new lease ends at HoldLimitAt, sooner than the ttl asked; no renewal takes it
+	// further.
+	Limited bool `json:"limited"`
 }
 
 // Holder is one held lock of a key, as a 409 lock-held lists them.
@@ -112,12 +119,17 @@ type Session struct {
 	State string `json:"state"`
 	// Locks are its unreleased locks, in job type order.
 	Locks []Lock `json:"locks"`
+	// HoldLimitAt is the session's hold limit: its opening + SessionOptions.MaxHold. No lease of
+	// the session, nor so of any of its locks, runs past it. Nil without one.
+	HoldLimitAt *time.Time `json:"hold_limit_at"`
 }
 
 // SessionRenewed is a session's renewal answer.
 type SessionRenewed struct {
 	Session
 	Lapsed bool `json:"lapsed"`
+	// Limited: the new lease ends at HoldLimitAt, as a Renewed's.
+	Limited bool `json:"limited"`
 }
 
 // Event is one event of GET /v1/events.
