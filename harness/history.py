@@ -18,7 +18,9 @@ The guarantees it checks, per (organization_id, job_type):
   shared grant is checked as a semaphore is, its readers' room 1000);
 - hold limits and closed pairs (issue 41): no lease of a lock ran past its hold_limit_at, as the
   database kept it or as a renewal announced it; no grant of a pair began before the closed_until
-  of an earlier grant of it (hold_at_least_seconds), whatever became of that grant;
+  of an earlier grant of it (hold_at_least_seconds), whatever became of that grant; after a
+  grant whose revocation request named a preferred holder, the pair's next grant before the
+  request's deadline is that holder's;
 - no renewal of a lock succeeded after that lock had ended, and none was lost: the database keeps
   at least the latest expiry a renewal announced (renewals in a run never shorten a lease), and a
   reclaim came only after that expiry;
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 import psycopg
@@ -66,6 +68,9 @@ class Grant:
     shared: bool = False  # its mode: a reader's lock (issue 40), else exclusive
     hold_limit_at: datetime | None = None  # no lease past it (max_hold_seconds, issue 41)
     closed_until: datetime | None = None  # no other grant of the pair before it (hold_at_least_seconds)
+    holder: str | None = None
+    # A revocation request that named a preferred holder: (that holder, the request's deadline).
+    reserved_for: tuple[str, datetime] | None = None
 
 
 # How many shared locks a pair may hold at once.
@@ -110,13 +115,18 @@ def database_history(db_url: str) -> list[Grant]:
         rows = conn.execute(
             "SELECT h.id, h.organization_id, h.job_type, h.fencing_token, h.acquired_at, v.expires_at,"
             " NULL::timestamptz, NULL::text, h.max_holders, h.slot, h.session_id,"
-            " h.acquired_xid::text::bigint, h.shared, h.hold_limit_at, h.closed_until"
+            " h.acquired_xid::text::bigint, h.shared, h.hold_limit_at, h.closed_until, h.holder,"
+            " h.revocation ->> 'preferred_holder', (h.revocation ->> 'deadline')::timestamptz"
             " FROM helix_holds AS h JOIN helix_held_locks AS v ON v.id = h.id"
             " UNION ALL SELECT id, organization_id, job_type, fencing_token, acquired_at, expires_at,"
             " released_at, release_reason, max_holders, slot, session_id, acquired_xid::text::bigint,"
-            " shared, hold_limit_at, closed_until FROM helix_lock_history"
+            " shared, hold_limit_at, closed_until, holder, revocation ->> 'preferred_holder',"
+            " (revocation ->> 'deadline')::timestamptz FROM helix_lock_history"
         ).fetchall()
-    return [Grant(r[0], (r[1], r[2]), *r[3:]) for r in rows]
+    return [
+        replace(Grant(r[0], (r[1], r[2]), *r[3:16]), reserved_for=None if r[16] is None else (r[16], r[17]))
+        for r in rows
+    ]
 
 
 @dataclass(frozen=True)
@@ -211,6 +221,12 @@ def check(
             if n:
                 before = history[n - 1]
                 where = f"{key}: lock {before.lock_id} (token {before.fencing_token}) then {after.lock_id}"
+                if before.reserved_for is not None:
+                    heir, deadline = before.reserved_for
+                    if after.acquired_at < deadline and after.holder != heir:
+                        violations.append(
+                            f"{where}: granted to {after.holder}, reserved for {heir} until {deadline}"
+                        )
                 if after.fencing_token == before.fencing_token:
                     violations.append(f"{where}: fencing token {after.fencing_token} granted twice")
                 if after.acquired_at <= before.acquired_at:

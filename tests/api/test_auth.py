@@ -82,6 +82,8 @@ MATRIX: dict[str, list[int]] = {
     "update": [401, 401, 401, 200, 404, 200],
     "release": [401, 401, 401, 204, 404, 204],
     "force": [401, 401, 401, 403, 403, 204],
+    # Any key of the lock's organization may ask its holder to let go; another's finds no lock.
+    "revocation": [401, 401, 401, 202, 404, 202],
 }
 
 
@@ -111,6 +113,8 @@ async def call(
         return await client.patch(url, json={"metadata": {"done": 1}}, headers=with_token)
     if endpoint == "release":
         return await client.delete(url, headers=with_token)
+    if endpoint == "revocation":
+        return await client.post(f"{url}/revocation", json={"reason": "deploy"}, headers=headers)
     return await client.delete(url, params={"force": "true"}, headers=headers)
 
 
@@ -130,6 +134,9 @@ async def test_every_endpoint_for_every_caller(
     if endpoint == "list" and expected == 200:
         visible = lock["id"] in [item["id"] for item in response.json()["items"]]
         assert visible == (caller != "other"), "another organization's locks are absent from lists"
+    if endpoint == "revocation" and expected == 202:
+        by = response.json()["revocation"]["by"]
+        assert by == keys.key_id(key or ""), "the request names the key that made it"
     for secret in (api_keys.own, api_keys.other, api_keys.admin, api_keys.revoked, lock["token"]):
         assert secret not in response.text
 

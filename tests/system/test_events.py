@@ -123,8 +123,12 @@ async def test_every_event_type_comes_from_real_operations(db_url: str, tmp_path
             forced = await http.delete(f"/v1/locks/{second['id']}?force=true", headers=auth(admin))
             assert forced.status_code == 204
             third = await acquire(http, admin, job="other")
+            asked = await http.post(
+                f"/v1/locks/{third['id']}/revocation", json={"reason": "deploy"}, headers=auth(admin)
+            )
+            assert asked.status_code == 202, asked.text
             await release(http, third, admin)
-            await watch.until(9)
+            await watch.until(10)
 
     assert watch.kinds() == [
         ("acquired", first["id"]),
@@ -135,6 +139,7 @@ async def test_every_event_type_comes_from_real_operations(db_url: str, tmp_path
         ("acquired", second["id"]),
         ("forced", second["id"]),
         ("acquired", third["id"]),
+        ("revocation-requested", third["id"]),
         ("released", third["id"]),
     ]
     by_kind = {event.type: event.data for event in watch.events}
@@ -150,7 +155,14 @@ async def test_every_event_type_comes_from_real_operations(db_url: str, tmp_path
     assert by_kind["forced"]["at"] == by_kind["forced"]["lock"]["released_at"]
     assert by_kind["forced"]["lock"]["forced_by"] == keys.key_id(admin)
     assert watch.events[0].data["lock"]["forced_by"] is None
-    assert len({event.id for event in watch.events}) == 9
+    assert len({event.id for event in watch.events}) == 10
+    revocation = by_kind["revocation-requested"]
+    assert (
+        revocation["at"]
+        == revocation["lock"]["revocation"]["requested_at"]
+        == asked.json()["revocation"]["requested_at"]
+    )
+    assert revocation["lock"]["revocation"]["by"] == keys.key_id(admin)
 
 
 async def test_a_watcher_resumes_on_another_replica_missing_and_repeating_nothing(

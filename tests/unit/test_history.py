@@ -70,6 +70,17 @@ BROKEN: dict[str, tuple[list[Grant], list[Renewed], str]] = {
 }
 
 
+def test_a_reservation_kept_passes_and_one_passed_over_is_caught() -> None:
+    asked = replace(sound()[0], reserved_for=("heir", at(5000)))
+    heir = replace(sound()[1], holder="heir")
+    assert check([asked, heir, *sound()[2:]], told_of(sound()), [Renewed(2, at(500), at(1200))]) == []
+    other = replace(sound()[1], holder="other")
+    [violation] = check([asked, other, *sound()[2:]], told_of(sound()), [Renewed(2, at(500), at(1200))])
+    assert "reserved for heir" in violation
+    late = replace(asked, reserved_for=("heir", at(150)))  # the deadline passed before lock 2's grant
+    assert check([late, other, *sound()[2:]], told_of(sound()), [Renewed(2, at(500), at(1200))]) == []
+
+
 def test_a_closing_and_a_hold_limit_kept_pass() -> None:
     grants = [replace(sound()[0], closed_until=at(200), hold_limit_at=at(1000)), *sound()[1:]]
     assert check(grants, told_of(grants), [Renewed(2, at(500), at(1200))]) == []

@@ -34,6 +34,7 @@ from helix_locks.server.errors import (
     OrganizationWatchersFull,
     QuotaExceeded,
     RenewTheSession,
+    Reserved,
     SchemaNotReady,
     SessionEnded,
     SessionFull,
@@ -65,6 +66,7 @@ from helix_locks.server.schemas import (
     QueuePageBody,
     RenewalBody,
     RenewRequest,
+    RevocationRequest,
     SessionBody,
     SessionLockRequest,
     SessionRenewalBody,
@@ -244,6 +246,7 @@ def scoped_key(caller: Caller, idempotency_key: str | None) -> str | None:
             LockHeld,
             WaitersAhead,
             ClosedUntil,
+            Reserved,
             MaxHoldersMismatch,
             UnsupportedMediaType,
             InvalidRequest,
@@ -600,6 +603,43 @@ async def update(request: Request, lock_id: LockIdPath, token: LockToken, body: 
     return json_body(LockBody.of(lock))
 
 
+@router.post(
+    "/locks/{lock_id}/revocation",
+    status_code=202,
+    response_model=LockBody,
+    summary="Ask a lock's holder to let go",
+    operation_id="requestRevocation",
+    openapi_extra=BEARER_REQUIRED,
+    response_description="The request is recorded in the lock (the first one only: a repeat changes"
+    " nothing), sent as a revocation-requested event, and answered to the holder's next renewal.",
+    responses=problems.responses(
+        Unauthenticated,
+        Forbidden,
+        LockNotFound,
+        LockEnded,
+        UnsupportedMediaType,
+        InvalidRequest,
+        DatabaseUnavailable,
+    ),
+)
+async def request_revocation(request: Request, lock_id: LockIdPath, body: RevocationRequest) -> Response:
+    """Ask the holder of a live lock of your organization (any, for an admin key) to release it by
+    the deadline. Nothing is forced: after the deadline an admin may force the release. With
+    preferred_holder, the pair is reserved for that holder once released, until the deadline."""
+    session = await authorized(request)
+    answered = outcome(request.scope)
+    lock = await session.locks.request_revocation(
+        session.caller,
+        known_lock_id(lock_id),
+        body.reason,
+        ttl_ms(body.deadline_seconds),
+        body.preferred_holder,
+    )
+    answered.about(lock.organization_id, lock.job_type)
+    answered.result = "revocation-requested"
+    return json_body(LockBody.of(lock), 202)
+
+
 SessionIdPath = Annotated[str, Path(description="The id POST /v1/sessions returned.")]
 SessionToken = Annotated[str, Header(alias="Lock-Token", description="The session's token.")]
 
@@ -619,7 +659,15 @@ def _wanted(locks: list[SessionLockRequest]) -> Wanted:
 
 
 # What a session's grant may answer besides its own problems: the refusals of its pairs.
-SESSION_GRANT_PROBLEMS = (LockHeld, WaitersAhead, ClosedUntil, MaxHoldersMismatch, QuotaExceeded, SessionFull)
+SESSION_GRANT_PROBLEMS = (
+    LockHeld,
+    WaitersAhead,
+    ClosedUntil,
+    Reserved,
+    MaxHoldersMismatch,
+    QuotaExceeded,
+    SessionFull,
+)
 
 
 @router.post(

@@ -29,6 +29,7 @@ from helix_locks.server.errors import (
     MaxHoldersMismatch,
     QuotaExceeded,
     RenewTheSession,
+    Reserved,
     SessionEnded,
     SessionFull,
     SessionLapsed,
@@ -137,6 +138,20 @@ def _closed_until(exc: psycopg.Error) -> LockError:
     )
 
 
+def _reserved(exc: psycopg.Error) -> LockError:
+    detail = _detail(exc)
+    return Reserved(
+        lock_id=None,
+        holder=None,
+        expires_at=None,
+        retry_after_seconds=int(detail.get("retry_after_seconds", 1)),
+        job_type=detail.get("job_type"),
+        preferred_holder=detail.get("preferred_holder"),
+        deadline=_time(detail.get("deadline")),
+        reserved_ms=int(detail.get("reserved_ms") or 0),
+    )
+
+
 def _token_mismatch(exc: psycopg.Error) -> LockError:
     detail = _detail(exc)
     return TokenMismatch(detail.get("organization_id"), detail.get("job_type"))
@@ -172,6 +187,8 @@ SQLSTATES: Mapping[str, Callable[[psycopg.Error], LockError]] = {
     "HL012": _hold_limit_reached,
     # A closed pair (migration 0034).
     "HL013": _closed_until,
+    # A pair reserved for a revocation's preferred holder (0035).
+    "HL014": _reserved,
     # A primary that just became a standby (failover): it will not take writes, try again.
     "25006": lambda exc: DatabaseUnavailable("read-only transaction"),
     # Prepared statements lost or doubled: DATABASE_URL goes through a transaction pooler, but no

@@ -63,6 +63,16 @@ class ClosedUntil(LockHeld):
 
 
 @dataclass
+class Reserved(LockHeld):
+    """A revocation request reserved the pair for its preferred holder until `deadline`
+    (`reserved_ms` from the refusal, by the database clock): nobody else is granted it meanwhile."""
+
+    preferred_holder: str | None = None
+    deadline: datetime | None = None
+    reserved_ms: int = 0
+
+
+@dataclass
 class MaxHoldersMismatch(LockError):
     """The key's held locks share another max_holders than the acquire named."""
 

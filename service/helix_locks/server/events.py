@@ -45,9 +45,11 @@ _SNAPSHOT = re.compile(r"([0-9]{1,20}):([0-9]{1,20}):((?:[0-9]{1,20}(?:,[0-9]{1,
 KEEP_ALIVE = b": keep-alive\n\n"
 # What a stream ended for the memory it held sends last: resume after this many milliseconds.
 RETRY = b"retry: 1000\n\n"
-# The kinds of helix_window_events (0019); 4 is the lock's end, named by its release_reason.
+# The kinds of helix_window_events (0019); 4 is the lock's end, named by its release_reason; 5 a
+# request that the holder let go (0035).
 KINDS = ("acquired", "expired", "renewed", "updated")
 END = 4
+REVOCATION = 5
 # Statements that read for catch-ups at once in one process (each on a pooled connection).
 REPLAYS_AT_ONCE = 2
 # Events whose locks one catch-up statement reads, and the most a bridge may carry (more, and the
@@ -137,7 +139,7 @@ class EventIds:
             after, after_at, until, until_at, at, lock_id, rank = json.loads(payload)
             if not (_SNAPSHOT.fullmatch(after) and _SNAPSHOT.fullmatch(until)) or _xmax(after) > _xmax(until):
                 raise ValueError("not an event id")
-            if not isinstance(lock_id, int) or not isinstance(rank, int) or not 0 <= rank <= END:
+            if not isinstance(lock_id, int) or not isinstance(rank, int) or not 0 <= rank <= REVOCATION:
                 raise ValueError("not an event id")
             times = [utc(datetime.fromisoformat(value)) for value in (after_at, until_at, at)]
             if any(moment.tzinfo is None for moment in times):
@@ -168,7 +170,9 @@ EventData = Callable[[str, datetime, Lock, Reclaimed | None], str]
 def _event(ids: EventIds, data: EventData, window: Window, at: datetime, rank: int, row: DictRow) -> Event:
     """The event of kind `rank` at `at` in `window`, about the lock `row` reads."""
     lock = Lock.from_row(row)
-    kind: str = KINDS[rank] if rank < END else row["release_reason"]
+    kind: str = (
+        KINDS[rank] if rank < END else row["release_reason"] if rank == END else "revocation-requested"
+    )
     position = Position(window, (at, lock.id, rank))
     reclaimed = None
     if kind == "acquired" and row["reclaimed_lock_id"] is not None:

@@ -67,6 +67,9 @@ class Lock:
     hold_limit_at: datetime | None = None
     # No other lock of the pair is granted before it (hold_at_least_seconds, migration 0034).
     closed_until: datetime | None = None
+    # A request that the holder let go (migration 0035), as recorded: requested_at, reason,
+    # deadline, by, preferred_holder; None: none.
+    revocation: dict[str, Any] | None = None
 
     @classmethod
     def from_row(cls, row: DictRow) -> Lock:
@@ -610,6 +613,20 @@ class Locks:
             "scope": caller.scope,
         }
         return Lock.from_row(await self.db.fetch_first(queries.UPDATE, params))
+
+    async def request_revocation(
+        self, caller: Caller, lock_id: int, reason: str, deadline_ms: int, preferred_holder: str | None
+    ) -> Lock:
+        """Ask the holder to let go: the first request is recorded, a repeat changes nothing."""
+        params = {
+            "lock_id": lock_id,
+            "scope": caller.scope,
+            "reason": reason,
+            "deadline_ms": deadline_ms,
+            "by": caller.key_id,
+            "preferred_holder": preferred_holder,
+        }
+        return Lock.from_row(await self.db.fetch_first(queries.REQUEST_REVOCATION, params))
 
     async def get(self, caller: Caller, lock_id: int) -> Lock:
         row = await self.db.fetch_optional(queries.GET, {"lock_id": lock_id, "scope": caller.scope})

@@ -37,6 +37,7 @@ from helix_locks.server.errors import (
     OrganizationWatchersFull,
     QuotaExceeded,
     RenewTheSession,
+    Reserved,
     SchemaNotReady,
     SessionEnded,
     SessionFull,
@@ -268,6 +269,24 @@ KINDS: Mapping[type[LockError], Kind] = {
         lambda exc: f"This organization and job type is closed until {rfc3339(exc.closed_until)}.",
         headers=lambda exc: {"Retry-After": str(exc.retry_after_seconds)},
         fields=lambda exc: {"closed_until": exc.closed_until, **_pair(exc.job_type)},
+    ),
+    Reserved: Kind(
+        409,
+        "reserved",
+        "Reserved",
+        "A request that the holder let go named a preferred holder: the organization and job type is"
+        " granted to it alone until deadline, which Retry-After counts down to; queued waiters keep"
+        " their places. The body names preferred_holder.",
+        Reserved(
+            None, None, None, 30, preferred_holder="worker-9@host-1", deadline=_EXPIRES, reserved_ms=30000
+        ),
+        lambda exc: f"Reserved for {exc.preferred_holder} until {rfc3339(exc.deadline)}.",
+        headers=lambda exc: {"Retry-After": str(exc.retry_after_seconds)},
+        fields=lambda exc: {
+            "preferred_holder": exc.preferred_holder,
+            "deadline": exc.deadline,
+            **_pair(exc.job_type),
+        },
     ),
     MaxHoldersMismatch: Kind(
         409,

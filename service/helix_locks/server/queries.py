@@ -77,11 +77,13 @@ RELEASE = "SELECT " + LOCK + " FROM helix_release_job_lock(%(lock_id)s, %(token)
 # A lock's mode (migration 0030) is not in the views the functions answer: read from the hold, as
 # this statement's snapshot shows it, from before the function changed it.
 _HOLD_SHARED = "(SELECT h.shared FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS shared"
-# A lock's hold limit (migration 0033) and the time until which its grant closed its pair (0034),
-# the same way; neither ever changes.
+# A lock's hold limit (migration 0033), the time until which its grant closed its pair (0034) and a
+# request that its holder let go (0035), the same way; the first two never change, and no lock
+# function but helix_request_revocation changes the last.
 _HOLD_LIMIT = (
     "(SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS hold_limit_at, "
-    "(SELECT h.closed_until FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS closed_until"
+    "(SELECT h.closed_until FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS closed_until, "
+    "(SELECT h.revocation FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS revocation"
 )
 
 FORCE_RELEASE = (
@@ -132,10 +134,24 @@ GET = (
            AS hold_limit_at,
        coalesce((SELECT h.closed_until FROM helix_holds AS h WHERE h.id = %(lock_id)s),
                 (SELECT k.closed_until FROM helix_lock_history AS k WHERE k.id = %(lock_id)s))
-           AS closed_until
+           AS closed_until,
+       coalesce((SELECT h.revocation FROM helix_holds AS h WHERE h.id = %(lock_id)s),
+                (SELECT k.revocation FROM helix_lock_history AS k WHERE k.id = %(lock_id)s))
+           AS revocation
 FROM helix_job_lock_views
 WHERE id = %(lock_id)s AND (%(scope)s::text IS NULL OR organization_id = %(scope)s)
 """
+)
+
+# POST /v1/locks/{id}/revocation (migration 0035): the request recorded (the first one only), and
+# the lock as it left it.
+REQUEST_REVOCATION = (
+    "SELECT "
+    + LOCK
+    + """, session_id, shared, hold_limit_at, closed_until, revocation
+FROM helix_request_revocation(
+    %(lock_id)s, %(scope)s, %(reason)s, %(deadline_ms)s, %(by)s, %(preferred_holder)s
+)"""
 )
 
 # Sessions (migration 0027): each call answers helix_session_answer rows, the session and one of
@@ -145,6 +161,9 @@ _SESSION = (
 session_ttl_remaining_ms, session_state, session_ended_at, session_end_reason, lapsed, replayed, shared,
 hold_limit_at, """
     + LOCK
+    # Each lock's revocation request (migration 0035), as the statement's snapshot shows it: no
+    # session call changes one.
+    + ", (SELECT h.revocation FROM helix_holds AS h WHERE h.id = a.id) AS revocation"
 )
 OPEN_SESSION = (
     "SELECT "
@@ -153,7 +172,7 @@ OPEN_SESSION = (
     %(organization_id)s, %(holder)s, %(ttl_ms)s, %(metadata)s, %(idempotency_key)s, %(job_types)s,
     %(max_holders)s, %(quota)s, %(share)s, %(sessions_limit)s, %(locks_limit)s, %(place)s, %(shared)s,
     %(max_hold_ms)s
-)"""
+) AS a"""
 )
 ADD_SESSION_LOCKS = (
     "SELECT "
@@ -161,19 +180,21 @@ ADD_SESSION_LOCKS = (
     + """ FROM helix_add_session_locks(
     %(session_id)s, %(token)s, %(scope)s, %(job_types)s, %(max_holders)s, %(quota)s, %(share)s,
     %(locks_limit)s, %(idempotency_key)s, %(place)s, %(shared)s
-)"""
+) AS a"""
 )
 RENEW_SESSION = (
     "SELECT "
     + _SESSION
-    + " FROM helix_renew_session(%(session_id)s, %(token)s, %(ttl_ms)s, %(scope)s, %(sessions_limit)s)"
+    + " FROM helix_renew_session(%(session_id)s, %(token)s, %(ttl_ms)s, %(scope)s, %(sessions_limit)s) AS a"
 )
 CLOSE_SESSION = (
     "SELECT organization_id, end_reason, ended_at"
     " FROM helix_close_session(%(session_id)s, %(token)s, %(scope)s)"
 )
 # GET /v1/sessions/{id}: no token, and none in the answer.
-GET_SESSION = "SELECT " + _SESSION + """ FROM helix_session_answer(%(session_id)s, %(scope)s, false, false)"""
+GET_SESSION = (
+    "SELECT " + _SESSION + """ FROM helix_session_answer(%(session_id)s, %(scope)s, false, false) AS a"""
+)
 PRUNE_SESSIONS = "SELECT helix_prune_sessions(%(older_than)s, %(batch)s) AS deleted"
 
 # A waiting request's places, one in the queue of each of its pairs with one order number
@@ -230,7 +251,8 @@ CURRENT = (
     + """, (SELECT h.session_id FROM helix_holds AS h WHERE h.id = v.id) AS session_id,
        (SELECT h.shared FROM helix_holds AS h WHERE h.id = v.id) AS shared,
        (SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = v.id) AS hold_limit_at,
-       (SELECT h.closed_until FROM helix_holds AS h WHERE h.id = v.id) AS closed_until
+       (SELECT h.closed_until FROM helix_holds AS h WHERE h.id = v.id) AS closed_until,
+       (SELECT h.revocation FROM helix_holds AS h WHERE h.id = v.id) AS revocation
 FROM helix_held_locks AS v
 WHERE organization_id = %(organization_id)s
   AND job_type = %(job_type)s
@@ -313,7 +335,8 @@ SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquire
        NULL::timestamptz AS released_at, NULL::text AS release_reason, s.state,
        greatest(0, floor(extract(epoch FROM s.expires_at - clock_timestamp()) * 1000))::bigint
            AS ttl_remaining_ms,
-       l.metadata, l.max_holders, l.slot, l.session_id, l.shared, l.hold_limit_at, l.closed_until
+       l.metadata, l.max_holders, l.slot, l.session_id, l.shared, l.hold_limit_at, l.closed_until,
+       l.revocation
 FROM helix_holds AS l
 CROSS JOIN LATERAL (
     SELECT CASE WHEN l.session_id IS NULL THEN l.expires_at
@@ -364,7 +387,7 @@ SELECT l.id, l.organization_id, l.job_type, l.holder, l.fencing_token, l.acquire
        l.released_at, l.release_reason,
        CASE WHEN l.release_reason = 'reclaimed' THEN 'reclaimed' ELSE 'released' END AS state,
        0::bigint AS ttl_remaining_ms, l.metadata, l.max_holders, l.slot, l.forced_by, l.session_id, l.shared,
-       l.hold_limit_at, l.closed_until
+       l.hold_limit_at, l.closed_until, l.revocation
 FROM helix_lock_history AS l
 WHERE (l.release_reason IS DISTINCT FROM 'reclaimed') = (%(state)s::text = 'released')
   AND (l.released_at, l.id) < (coalesce(%(after_released_at)s::timestamptz, 'infinity'),
@@ -485,7 +508,9 @@ _EVENT_LOCK = """v.id, v.organization_id, v.job_type, v.holder, v.fencing_token,
        coalesce((SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = v.id),
                 (SELECT e.hold_limit_at FROM helix_lock_history AS e WHERE e.id = v.id)) AS hold_limit_at,
        coalesce((SELECT h.closed_until FROM helix_holds AS h WHERE h.id = v.id),
-                (SELECT e.closed_until FROM helix_lock_history AS e WHERE e.id = v.id)) AS closed_until"""
+                (SELECT e.closed_until FROM helix_lock_history AS e WHERE e.id = v.id)) AS closed_until,
+       coalesce((SELECT h.revocation FROM helix_holds AS h WHERE h.id = v.id),
+                (SELECT e.revocation FROM helix_lock_history AS e WHERE e.id = v.id)) AS revocation"""
 
 # The reader's poll: its own window from the snapshot it read last to this statement's, and a
 # window for each resumed watcher from where its catch-up ended (its bridge); one statement, so
@@ -508,7 +533,7 @@ events AS MATERIALIZED (
     FROM starts AS s CROSS JOIN now
     CROSS JOIN LATERAL (
         SELECT w.at, w.id, w.rank
-        FROM helix_window_events(s.after::pg_snapshot, now.snapshot, s.organization_id, s.job_type) AS w
+        FROM helix_window_events(s.after::pg_snapshot, now.snapshot, s.organization_id, s.job_type, 5) AS w
         ORDER BY w.at, w.id, w.rank
         LIMIT s.lim + 1
     ) AS e
@@ -546,7 +571,7 @@ LEFT JOIN LATERAL (
     SELECT w.at, w.id, w.rank, count(*) OVER () AS total
     FROM helix_window_events(
         a.after::pg_snapshot, coalesce(a.until::pg_snapshot, now.snapshot),
-        %(organization_id)s, %(job_type)s
+        %(organization_id)s, %(job_type)s, 5
     ) AS w
     WHERE a.from_at IS NULL OR (w.at, w.id, w.rank) > (a.from_at, a.from_id, a.from_rank)
     ORDER BY w.at, w.id, w.rank

@@ -312,6 +312,51 @@ class AcquireRequest(BaseModel):
         return seconds
 
 
+class RevocationRequest(BaseModel):
+    """Ask the holder of a lock to let go: recorded in the lock, sent as an event, and answered to
+    the holder's next renewal. Nothing is forced."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "reason": "deploying a new version",
+                    "deadline_seconds": 60,
+                    "preferred_holder": "worker-9@host-1",
+                }
+            ]
+        },
+    )
+
+    reason: Annotated[
+        str,
+        StringConstraints(strict=True, min_length=1, max_length=1024),
+        AfterValidator(_storable),
+        Field(description="Why, for the holder and for humans: 1 to 1024 characters."),
+    ]
+    deadline_seconds: Annotated[
+        float,
+        Field(
+            strict=True,
+            ge=1,
+            le=86400,
+            allow_inf_nan=False,
+            description="By when, in seconds from now, the lock should be released (1 to 86400; default 60)."
+            " After it, an admin may force the release.",
+        ),
+    ] = 60
+    preferred_holder: Annotated[
+        Holder | None,
+        Field(
+            description="Reserve the organization and job type, once released, for this holder until the"
+            " deadline (exclusive locks with max_holders 1 only): others get 409 reserved meanwhile,"
+            " and queued waiters keep their places. Holder names are not authenticated: this orders"
+            " honest workers, it is not access control.",
+        ),
+    ] = None
+
+
 class RenewRequest(BaseModel):
     """Extend a lease: the new expires_at is database-now + ttl_seconds."""
 
@@ -409,10 +454,38 @@ class LockBody(BaseModel):
         " type is granted before it, whatever becomes of this one; null when the acquire set none.",
         examples=[None],
     )
+    revocation: RevocationBody | None = Field(
+        default=None,
+        description="A request that the holder let go (POST /v1/locks/{id}/revocation), the first one"
+        " made; null when none was. The holder's renewals answer it too.",
+        examples=[None],
+    )
 
     @classmethod
     def of(cls, lock: Lock) -> LockBody:
         return cls.model_validate(lock, from_attributes=True)
+
+
+class RevocationBody(BaseModel):
+    """A request that the holder let go, as recorded: the first one made while the lock lived."""
+
+    requested_at: datetime = Field(
+        description="When it was made, by the database's clock.", examples=[_EXPIRES]
+    )
+    reason: str = Field(description="Why, as the asker wrote it.", examples=["deploying a new version"])
+    deadline: datetime = Field(
+        description="By when the asker would like the lock released; after it an admin may force it."
+        " With preferred_holder, the pair is reserved for that holder until then.",
+        examples=[_EXPIRES],
+    )
+    by: str | None = Field(
+        description="The id of the API key that asked; null for an anonymous request.",
+        examples=["3f9a0c1b2d4e"],
+    )
+    preferred_holder: str | None = Field(
+        description="The holder the pair is reserved for once released, until the deadline; null for none.",
+        examples=["worker-9@host-1"],
+    )
 
 
 class ReclaimedBody(BaseModel):
@@ -447,7 +520,9 @@ class GrantBody(LockBody):
         return cls.model_validate(fields, from_attributes=True)
 
 
-EventType = Literal["acquired", "renewed", "updated", "released", "forced", "expired", "reclaimed"]
+EventType = Literal[
+    "acquired", "renewed", "updated", "released", "forced", "expired", "reclaimed", "revocation-requested"
+]
 
 
 class EventBody(BaseModel):
@@ -673,6 +748,17 @@ class Problem(BaseModel):
         default=None,
         description="409 closed-until only: no lock of the organization and job type is granted before"
         " this time; Retry-After counts the whole seconds until then.",
+        examples=[_EXPIRES],
+    )
+    preferred_holder: str | None = Field(
+        default=None,
+        description="409 reserved only: the holder the organization and job type is reserved for.",
+        examples=["worker-9@host-1"],
+    )
+    deadline: datetime | None = Field(
+        default=None,
+        description="409 reserved only: the reservation's end; Retry-After counts the whole seconds"
+        " until then.",
         examples=[_EXPIRES],
     )
     forced_by: str | None = Field(

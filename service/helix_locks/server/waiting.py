@@ -45,6 +45,7 @@ from helix_locks.server.errors import (
     ClosedUntil,
     LockHeld,
     OrganizationWaitersFull,
+    Reserved,
     TooManyWaiters,
     WaitInterrupted,
 )
@@ -87,6 +88,8 @@ async def _expiry_ms(held: LockHeld, remaining_ms: Callable[[int], Awaitable[int
     grant is on the way, so soon."""
     if isinstance(held, ClosedUntil):
         return held.closed_ms
+    if isinstance(held, Reserved):  # until its deadline, unless a release wakes it sooner
+        return held.reserved_ms
     return await remaining_ms(held.lock_id) if held.lock_id is not None else 0
 
 
@@ -103,6 +106,10 @@ class _Queue:
         # The refusal the head sleeps on (its lock_id: the lease it sleeps until; its holders_total:
         # how many held the key's slots then); None while it is not asleep.
         self.sleeping_on: LockHeld | None = None
+        # Until then (the loop's clock) the key is reserved for a revocation's preferred holder:
+        # every place of this process tries on its own, since the head cannot be granted and the
+        # preferred holder's place may be any of them.
+        self.reserved_until = 0.0
 
 
 def _first(queue: _Queue) -> Place:
@@ -335,7 +342,7 @@ class Waiters:
                 raise WaitInterrupted("the client went away")
             if self.closing:
                 raise WaitInterrupted("the service is stopping")
-            if _first(queue).id < place.id and loop.time() < deadline:
+            if _first(queue).id < place.id and queue.reserved_until <= loop.time() < deadline:
                 # A place of this process comes first: it tries, and hands the turn on when it goes.
                 turn.clear()
                 with contextlib.suppress(TimeoutError):
@@ -351,6 +358,10 @@ class Waiters:
                 if left <= 0 or closed_past(held, left):
                     raise  # the wait is over, or will be before the pair opens: this refusal is the answer
                 expiry = await _expiry_ms(held, remaining_ms)
+                if isinstance(held, Reserved) and queue.reserved_until <= loop.time():
+                    queue.reserved_until = loop.time() + held.reserved_ms / 1000
+                    for other in queue.places.values():  # each tries: one may be the preferred holder's
+                        other.set()
                 again = again + 1 if expiry == 0 and held.lock_id == run_out else 0
                 run_out = held.lock_id if expiry == 0 else None
                 timer = sleep_for(expiry, left, again)
