@@ -26,6 +26,7 @@ from helix_locks.client import (
     LockLost,
     MaxHoldersMismatch,
     NotHelixLocks,
+    Reserved,
     SessionGrant,
     SessionLease,
     SyncLease,
@@ -42,6 +43,7 @@ from helix_locks.results import (
     QueuePage,
     Reclaimed,
     Renewed,
+    Revocation,
     SessionBody,
 )
 
@@ -73,6 +75,8 @@ __all__ = [
     "QueuePage",
     "Reclaimed",
     "Renewed",
+    "Reserved",
+    "Revocation",
     "SessionBody",
     "SessionGrant",
     "SessionLease",

@@ -17,7 +17,7 @@ from types import FrameType
 
 import helix_locks
 from helix_locks import runner
-from helix_locks.client import HelixError, InvalidURL, LockClient, LockHeld, LockLost
+from helix_locks.client import ClosedUntil, HelixError, InvalidURL, LockClient, LockHeld, LockLost, Reserved
 
 # What the server's commands import that a worker's install lacks.
 SERVER_MODULES = {
@@ -181,7 +181,9 @@ def client_command(args: argparse.Namespace) -> int:
                 params = {"organization_id": args.org, "job_type": args.job_type, "state": args.state}
                 _print_json(client.list(**{k: v for k, v in params.items() if v is not None}))
         except LockHeld as held:
-            if held.waiting is not None:
+            if isinstance(held, ClosedUntil | Reserved):
+                print(f"helix-locks: {held}", file=sys.stderr)
+            elif held.waiting is not None:
                 print(
                     f"helix-locks: {held.waiting} acquires wait in the queue, and come first", file=sys.stderr
                 )

@@ -26,6 +26,7 @@ import codecs
 import contextlib
 import getpass
 import json
+import logging
 import math
 import os
 import re
@@ -49,7 +50,12 @@ from helix_locks.results import (
     Page,
     QueuePage,
     Renewed,
+    Revocation,
 )
+
+logger = logging.getLogger(__name__)
+# What a lease calls, once, when it learns that someone asked its holder to let go.
+OnRevocation = Callable[[Revocation], object] | None
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 # The retry policy is clients/contract.json's, which the Node client follows too (docs/workers.md).
@@ -76,6 +82,10 @@ WATCH_RETRIED = (429, 502, 503, 504)
 URN = "urn:helix-locks:problem:"
 MISMATCH = f"{URN}max-holders-mismatch"
 CLOSED = f"{URN}closed-until"
+RESERVED = f"{URN}reserved"
+# The longest a service waits in one acquire (wait_seconds), less a margin: a key closed for longer
+# is asked for again once its opening is within one such round.
+ROUND_SECONDS = 50.0
 # What the service answers to a path it has no route for, or a method it does not take there:
 # not something the SDK ever asks for, so the URL is not the service's root.
 NO_ROUTE = (f"{URN}http-404", f"{URN}http-405")
@@ -185,6 +195,17 @@ class ClosedUntil(LockHeld):
         super().__init__(problem, retry_after, request_id)
         self.closed_until: str | None = problem.get("closed_until")
         self.args = (f"closed until {self.closed_until}",)
+
+
+class Reserved(LockHeld):
+    """A request that the holder let go reserved the free key for its `preferred_holder` until
+    `deadline` (409 reserved); `retry_after` counts the seconds until then."""
+
+    def __init__(self, problem: Mapping[str, Any], retry_after: float, request_id: str | None = None) -> None:
+        super().__init__(problem, retry_after, request_id)
+        self.preferred_holder: str | None = problem.get("preferred_holder")
+        self.deadline: str | None = problem.get("deadline")
+        self.args = (f"reserved for {self.preferred_holder} until {self.deadline}",)
 
 
 class MaxHoldersMismatch(ApiError):
@@ -333,6 +354,8 @@ def _error_for(response: httpx.Response, holding: bool, base_url: str) -> HelixE
         return MaxHoldersMismatch(problem, request_id)
     if response.status_code == 409 and problem.get("type") == CLOSED:
         return ClosedUntil(problem, _retry_after(response, 1.0), request_id)
+    if response.status_code == 409 and problem.get("type") == RESERVED:
+        return Reserved(problem, _retry_after(response, 1.0), request_id)
     if response.status_code == 409:
         return LockHeld(problem, _retry_after(response, 1.0), request_id)
     if response.status_code == 410 or (holding and response.status_code in GONE):
@@ -647,12 +670,37 @@ class _Held:
 
     grant: Grant | SessionGrant
 
-    def __init__(self, grant: Grant | SessionGrant) -> None:
+    def __init__(self, grant: Grant | SessionGrant, on_revocation: OnRevocation = None) -> None:
         # No lease runs past the hold limit, if the lock has one.
         self._limit = getattr(grant, "held_until", None)
         self._deadline = self._bounded(grant.sent_at + grant.ttl)  # by our monotonic clock, from the send
         self._lost_reason: str | None = None
         self._sent = grant.sent_at  # when the latest renewal (or the acquire) was sent
+        # A request that the holder let go, the first one the service answered, or None.
+        self.revocation: Revocation | None = None
+        self._on_revocation = on_revocation
+        self._asked(grant.body)
+
+    @property
+    def revocation_requested(self) -> bool:
+        """Whether someone asked the holder to let go (self.revocation says who, why and by when):
+        finish cleanly and leave the block. Nothing is forced; the lease is still held."""
+        return self.revocation is not None
+
+    def _asked(self, answer: Mapping[str, Any]) -> None:
+        """Note the revocation an answer carries (of a session's, any of its locks'), once, and call
+        on_revocation with it; an error in the callback is logged, never stops the renewals."""
+        found = answer.get("revocation") or next(
+            (lock["revocation"] for lock in answer.get("locks") or () if lock.get("revocation")), None
+        )
+        if found is None or self.revocation is not None:
+            return
+        self.revocation = found
+        if self._on_revocation is not None:
+            try:
+                self._on_revocation(found)
+            except Exception:
+                logger.exception("on_revocation raised; the lease is renewed on")
 
     def _until_renewal(self) -> float:
         """Seconds to the next renewal: ttl/3 after the previous one's send, however long its
@@ -713,8 +761,8 @@ class _Held:
 class Lease(_Held):
     """A held lock, renewed in the background; shared by the sync and async clients."""
 
-    def __init__(self, grant: Grant) -> None:
-        super().__init__(grant)
+    def __init__(self, grant: Grant, on_revocation: OnRevocation = None) -> None:
+        super().__init__(grant, on_revocation)
         self.grant = grant
         self.fencing_token = grant.fencing_token
         # Of a semaphore: the place this lease holds (0 to max_holders - 1). Fence per slot.
@@ -729,8 +777,8 @@ class SessionLease(_Held):
     """A held session, renewed in the background (one renewal for all its locks): `locks` are its
     locks by job type, `fencing_tokens` the fencing token of each, to pass to what it writes."""
 
-    def __init__(self, grant: SessionGrant) -> None:
-        super().__init__(grant)
+    def __init__(self, grant: SessionGrant, on_revocation: OnRevocation = None) -> None:
+        super().__init__(grant, on_revocation)
         self.grant = grant
         self.id = grant.id
         self.locks: dict[str, Lock] = {}
@@ -746,8 +794,8 @@ class SessionLease(_Held):
 class SyncLease(Lease):
     """The lease that LockClient.lock yields: it can also publish the lock's metadata."""
 
-    def __init__(self, grant: Grant, client: LockClient) -> None:
-        super().__init__(grant)
+    def __init__(self, grant: Grant, client: LockClient, on_revocation: OnRevocation = None) -> None:
+        super().__init__(grant, on_revocation)
         self._client = client
 
     def update(self, metadata: Mapping[str, Any] | None) -> Lock:
@@ -759,8 +807,13 @@ class SyncLease(Lease):
 class AsyncLease(Lease):
     """The lease that AsyncLockClient.lock yields: as SyncLease, with a coroutine."""
 
-    def __init__(self, grant: Grant, client: AsyncLockClient) -> None:
-        super().__init__(grant)
+    def __init__(
+        self,
+        grant: Grant,
+        client: AsyncLockClient,
+        on_revocation: OnRevocation = None,
+    ) -> None:
+        super().__init__(grant, on_revocation)
         self._client = client
 
     async def update(self, metadata: Mapping[str, Any] | None) -> Lock:
@@ -835,19 +888,23 @@ class _Core:
         within: float = 10.0,
         refused_within: float | None = None,
         holding: bool = False,
+        idempotent: bool = False,
         **kwargs: Any,
     ) -> Flow[httpx.Response]:
         """One request, retried on network trouble and the statuses of RETRIED for at most
         `within` seconds; a refused connection or a name that does not resolve for at most
         `refused_within` (by default, until the service has answered this client once,
         REFUSED_WITHIN_SECONDS: a wrong address is said at once, a service that answered before
-        and refuses now is restarting)."""
+        and refuses now is restarting). `idempotent`: a POST that may be sent twice (else only one
+        with an Idempotency-Key, or a holder's)."""
         if refused_within is None:
             refused_within = within if self._heard else REFUSED_WITHIN_SECONDS
         started = time.monotonic()
         deadline = started + within
         refused_deadline = min(deadline, started + refused_within)
-        idempotent = method != "POST" or holding or "Idempotency-Key" in kwargs.get("headers", {})
+        idempotent = (
+            idempotent or method != "POST" or holding or "Idempotency-Key" in kwargs.get("headers", {})
+        )
         attempt = 0
         while True:
             outcome = yield _Call(method, path, kwargs)
@@ -957,12 +1014,19 @@ class _Core:
                 return response.json(), started
             except LockHeld as held:
                 left = give_up - time.monotonic()
-                if left <= 0 or (isinstance(held, ClosedUntil) and held.retry_after > left):
+                closed = isinstance(held, ClosedUntil)
+                # Retry-After is whole seconds, rounded up: the key surely opens after the wait's
+                # end only when it is a second more than what is left.
+                if left <= 0 or (closed and held.retry_after - 1 >= left):
                     raise  # the wait is over, or will be before the key opens
                 # The service waited as long as it would (a round ends at its 60 s): ask again
                 # soon, but never in a tight loop against one that answers 409 at once (a service
-                # without waiting, a proxy), and never past the wait.
-                yield _Pause(min(backoff_seconds(rounds), held.retry_after, left))
+                # without waiting, a proxy), and never past the wait. A key closed for longer
+                # than a round is asked for again once its opening is within one.
+                pause = min(backoff_seconds(rounds), held.retry_after)
+                if closed:
+                    pause = max(pause, held.retry_after - ROUND_SECONDS)
+                yield _Pause(min(pause, left))
                 rounds += 1
 
     def _renew(
@@ -1010,6 +1074,18 @@ class _Core:
         except LockLost as lost:
             if not lost.released_by_its_token:
                 raise
+
+    def _request_revocation(
+        self, lock_id: int, reason: str, deadline: float, preferred_holder: str | None
+    ) -> Flow[Lock]:
+        body: dict[str, Any] = {"reason": reason, "deadline_seconds": deadline}
+        if preferred_holder is not None:
+            body["preferred_holder"] = preferred_holder
+        # A repeat leaves the first request as it was: safe to send again after an unknown outcome.
+        path = f"/v1/locks/{lock_id}/revocation"
+        response = yield from self._send("POST", path, json=body, idempotent=True)
+        asked: Lock = response.json()
+        return asked
 
     def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Flow[Any]:
         """The JSON the service answers; the caller says which of results.py's types it is."""
@@ -1109,6 +1185,7 @@ class _Core:
                 grant.id, grant.token, grant.ttl, max(lease.remaining, 0.1), grant.kind
             )
             lease._renewed(started, _held_until(renewed, started))
+            lease._asked(renewed)
         except LockLost as exc:
             lease._lose(str(exc))
             return False
@@ -1267,12 +1344,14 @@ class LockClient(_Core):
         metadata: Mapping[str, Any] | None = None,
         shared: Collection[str] = (),
         max_hold: float | None = None,
+        on_revocation: OnRevocation = None,
     ) -> Iterator[SessionLease]:
         """Hold all the locks of `job_types` for the block, in one session: renewed every ttl/3
         in a thread with one request for all of them, ended at the end. Its loss (a refused
-        renewal, or renewals failing until it could lapse) shows as the lease's."""
+        renewal, or renewals failing until it could lapse) shows as the lease's. A request that the
+        holder of any of its locks let go shows as in lock()."""
         grant = self.open_session(organization_id, job_types, ttl, holder, metadata, wait, shared, max_hold)
-        lease = SessionLease(grant)
+        lease = SessionLease(grant, on_revocation)
         stop = threading.Event()
         renewer = threading.Thread(
             target=self.keep_alive, args=(lease, stop), daemon=True, name="helix-renew"
@@ -1286,6 +1365,15 @@ class LockClient(_Core):
             if not lease.lost:
                 with contextlib.suppress(HelixError):
                     self.end_session(grant.id, grant.token)
+
+    def request_revocation(
+        self, lock_id: int, reason: str, deadline: float = 60, preferred_holder: str | None = None
+    ) -> Lock:
+        """Ask the holder of a live lock to let go by `deadline` seconds from now, saying why; the
+        lock with the request (the first one made: a repeat changes nothing). Nothing is forced.
+        With `preferred_holder`, the key is reserved for that holder, once released, until the
+        deadline. LockLost if the lock has ended; ApiError 404 if the key may see no such lock."""
+        return self._run(self._request_revocation(lock_id, reason, deadline, preferred_holder))
 
     def get(self, lock_id: int) -> Lock:
         """The lock with this id, live or ended (never its token); ApiError 404 if there is none
@@ -1389,16 +1477,20 @@ class LockClient(_Core):
         mode: str = "exclusive",
         max_hold: float | None = None,
         hold_at_least: float | None = None,
+        on_revocation: OnRevocation = None,
     ) -> Iterator[SyncLease]:
         """Hold the lock for the block: renewed every ttl/3 in a thread, released at the end.
         With `max_holders` N, a semaphore: up to N blocks hold the key at once (lease.slot).
         `mode="shared"`: a reader, held beside other readers, never beside an exclusive lock.
         With `max_hold` seconds, the lease counts as lost before its hold limit, as before its end.
-        With `hold_at_least` seconds, the key stays closed until grant.closed_until after the block."""
+        With `hold_at_least` seconds, the key stays closed until grant.closed_until after the block.
+        Someone asking the holder to let go sets lease.revocation_requested (and lease.revocation),
+        learnt from a renewal's answer, and calls `on_revocation` with it in the renewing thread:
+        finish cleanly and leave the block."""
         grant = self.acquire(
             organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode, max_hold, hold_at_least
         )
-        lease = SyncLease(grant, self)
+        lease = SyncLease(grant, self, on_revocation)
         stop = threading.Event()
         renewer = threading.Thread(
             target=self.keep_alive, args=(lease, stop), daemon=True, name="helix-renew"
@@ -1547,12 +1639,13 @@ class AsyncLockClient(_Core):
         metadata: Mapping[str, Any] | None = None,
         shared: Collection[str] = (),
         max_hold: float | None = None,
+        on_revocation: OnRevocation = None,
     ) -> AsyncIterator[SessionLease]:
         """As LockClient.session, renewed by a task."""
         grant = await self.open_session(
             organization_id, job_types, ttl, holder, metadata, wait, shared, max_hold
         )
-        lease = SessionLease(grant)
+        lease = SessionLease(grant, on_revocation)
         renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")
         try:
             yield lease
@@ -1563,6 +1656,12 @@ class AsyncLockClient(_Core):
             if not lease.lost:
                 with contextlib.suppress(HelixError):
                     await self.end_session(grant.id, grant.token)
+
+    async def request_revocation(
+        self, lock_id: int, reason: str, deadline: float = 60, preferred_holder: str | None = None
+    ) -> Lock:
+        """As LockClient.request_revocation."""
+        return await self._run(self._request_revocation(lock_id, reason, deadline, preferred_holder))
 
     async def get(self, lock_id: int) -> Lock:
         """As LockClient.get."""
@@ -1663,12 +1762,13 @@ class AsyncLockClient(_Core):
         mode: str = "exclusive",
         max_hold: float | None = None,
         hold_at_least: float | None = None,
+        on_revocation: OnRevocation = None,
     ) -> AsyncIterator[AsyncLease]:
         """As LockClient.lock, renewed by a task."""
         grant = await self.acquire(
             organization_id, job_type, ttl, holder, metadata, wait, max_holders, mode, max_hold, hold_at_least
         )
-        lease = AsyncLease(grant, self)
+        lease = AsyncLease(grant, self, on_revocation)
         renewer = asyncio.create_task(self.keep_alive(lease), name="helix-renew")
         try:
             yield lease

@@ -12,6 +12,19 @@ LockState = Literal["held", "expired", "released", "reclaimed"]
 EventType = Literal["acquired", "renewed", "updated", "released", "forced", "expired", "reclaimed"]
 
 
+class Revocation(TypedDict):
+    """A request that a lock's holder let go (POST /v1/locks/{id}/revocation): nothing is forced."""
+
+    requested_at: str
+    reason: str
+    # By when the asker would like the lock released; after it an admin may force it.
+    deadline: str
+    # The id of the API key that asked; None for an anonymous request.
+    by: str | None
+    # The holder the key is reserved for, once released, until the deadline; None for none.
+    preferred_holder: str | None
+
+
 class Lock(TypedDict):
     """The lock object every endpoint that returns a lock returns (never with its token). Times
     are RFC 3339 strings, by the database's clock."""
@@ -46,6 +59,9 @@ class Lock(TypedDict):
     # acquired_at + hold_at_least_seconds: no other lock of the key is granted before it; None
     # when the acquire closed nothing; absent from a service older than closed keys.
     closed_until: NotRequired[str | None]
+    # A request that the holder let go, the first one made; None: none; absent from a service
+    # older than revocation requests.
+    revocation: NotRequired[Revocation | None]
 
 
 class Reclaimed(TypedDict):

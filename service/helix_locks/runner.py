@@ -34,6 +34,7 @@ from helix_locks.client import (
     LockHeld,
     LockLost,
     NotHelixLocks,
+    Reserved,
     SessionGrant,
     SessionLease,
 )
@@ -212,8 +213,8 @@ def _run(
                 " not running the command"
             )
             return skip_status
-        if isinstance(held, ClosedUntil):
-            say(f"{organization_id}/{job_type} is closed until {held.closed_until}")
+        if isinstance(held, ClosedUntil | Reserved):
+            say(f"{organization_id}/{job_type} is {held}")
         elif held.max_holders > 1:
             say(
                 f"all {held.max_holders} slots of {organization_id}/{job_type} are held;"
@@ -258,8 +259,17 @@ def _run(
         signal_group(process, kept)
     grace = grace_seconds(ttl)
     lost = False
+    asked = False  # someone asked the holder to let go, and COMMAND was told (SIGTERM)
     try:
         while process.poll() is None:
+            if lease.revocation is not None and not asked:
+                asked = True
+                asker, reason = lease.revocation["by"] or "an anonymous caller", lease.revocation["reason"]
+                say(
+                    f"asked to let go by {asker} ({reason!r}, by {lease.revocation['deadline']}):"
+                    " sending COMMAND SIGTERM; the lock is released when it ends"
+                )
+                signal_group(process, signal.SIGTERM)
             definitive = lease.lost_reason is not None and lease.remaining > 0
             if definitive or lease.remaining <= grace:
                 if lease.at_hold_limit and not definitive:

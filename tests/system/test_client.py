@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -10,18 +12,20 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import httpx
 import psycopg
 import pytest
 
+from harness.history import Told, check, database_history
 from harness.processes import ROOT, running_service
 from harness.proxies import plain_http_server
-from helix_locks import runner
-from helix_locks.client import ClosedUntil, LockClient, LockHeld, LockLost
+from helix_locks import Revocation, runner
+from helix_locks.client import AsyncLockClient, ClosedUntil, LockClient, LockHeld, LockLost
 
 
 def test_importing_the_sdk_and_its_command_line_needs_httpx_only() -> None:
@@ -370,6 +374,30 @@ def test_run_at_most_once_per_runs_the_interval_s_command_once_and_skips_the_res
     assert alone.returncode == 2 and "goes with --at-most-once-per" in alone_err, alone_err
 
 
+def test_a_wait_for_a_key_closed_longer_than_a_round_does_not_poll(db_url: str, tmp_path: Path) -> None:
+    """The service waits at most 60 s in one acquire, so it refuses at once a key that opens later;
+    the SDK then sleeps until the opening is within a round, not its backoff's 2 s. (Found by
+    review: it asked again every 2 s, 1,500 requests for an hourly job's wait.)"""
+    sent: list[str] = []
+
+    async def waiting(url: str) -> None:
+        async with AsyncLockClient(url) as client:
+            client.http.event_hooks["request"].append(lambda request: _note(sent, request))
+            await client.acquire("acme", "hourly", wait=75)
+
+    with running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _):
+        with LockClient(url) as client:
+            closing = client.acquire("acme", "hourly", hold_at_least=70)
+            client.release(closing.id, closing.token)
+        with contextlib.suppress(TimeoutError):
+            asyncio.run(asyncio.wait_for(waiting(url), 8))
+    assert sent == ["POST /v1/locks"], f"asked {len(sent)} times in 8 s: {sent}"
+
+
+async def _note(sent: list[str], request: httpx.Request) -> None:
+    sent.append(f"{request.method} {request.url.path}")
+
+
 def test_the_sdk_is_told_a_closed_key_and_waits_for_it_only_when_it_can(db_url: str, tmp_path: Path) -> None:
     """ClosedUntil (a LockHeld) names closed_until; a wait that ends before it is not waited out,
     and one that ends after it is granted once the key opens (by the database's clock)."""
@@ -388,6 +416,153 @@ def test_the_sdk_is_told_a_closed_key_and_waits_for_it_only_when_it_can(db_url: 
         after = client.acquire("acme", "short", wait=20)
     assert short.closed_until is not None
     assert datetime.fromisoformat(after.body["acquired_at"]) >= datetime.fromisoformat(short.closed_until)
+
+
+def revoke(url: str, lock_id: int, reason: str = "deploying v2") -> Revocation:
+    with LockClient(url) as asker:
+        revocation = asker.request_revocation(lock_id, reason).get("revocation")
+    assert revocation is not None
+    return revocation
+
+
+def until(condition: Callable[[], bool], within: float = 20, what: str = "it") -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.02)
+
+
+def test_a_lease_learns_of_a_revocation_from_a_renewal_and_calls_back_once(
+    db_url: str, tmp_path: Path
+) -> None:
+    """The flag and the callback come from the renewal after the request (the database's renewed_at
+    is past requested_at), once; nothing is forced: the lease is still held. A session's lease
+    learns of a request for any of its locks the same way."""
+    told: list[Revocation] = []
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
+        with client.lock("acme", "asked", ttl=3, on_revocation=told.append) as lease:
+            assert not lease.revocation_requested
+            revocation = revoke(url, lease.grant.id)
+            until(lambda: lease.revocation_requested, what="the lease learning of the request")
+            until(lambda: len(told) == 1, within=5, what="the callback")
+            revoke(url, lease.grant.id, reason="again")
+            with psycopg.connect(db_url, autocommit=True) as conn:
+                [(renewed_at,)] = conn.execute(
+                    "SELECT renewed_at FROM helix_holds WHERE id = %s", (lease.grant.id,)
+                ).fetchall()
+            time.sleep(1.5)  # (room for more renewals: the callback must not be called again)
+            assert not lease.lost, "a request forces nothing"
+        assert told == [revocation] and lease.revocation == revocation
+        assert renewed_at >= datetime.fromisoformat(revocation["requested_at"]), "a renewal told it"
+        with client.session("acme", ["a", "b"], ttl=3) as session:
+            revoke(url, session.locks["b"]["id"])
+            until(lambda: session.revocation_requested, what="the session's lease learning of it")
+        assert client.current("acme", "asked") is None and client.current("acme", "b") is None
+
+
+def test_a_leader_hands_over_to_its_preferred_successor_past_waiting_candidates(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Candidates wait for the leader's lock (places in the key's queue, in one replica); asked to
+    let go in favour of "heir", whose campaign began last, the leader ends its term, and the heir
+    is granted next, while the others are refused (reserved) until it is; then they go on in
+    their turn. The history checker holds the pair to the reservation."""
+    told: list[Told] = []
+    refusals: list[str] = []
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
+        leader = client.acquire("acme", "leader", ttl=30, holder="leader-1")
+        told.append(
+            Told(
+                leader.id,
+                ("acme", "leader"),
+                leader.fencing_token,
+                datetime.fromisoformat(leader.body["acquired_at"]),
+            )
+        )
+
+        def campaign(holder: str) -> None:
+            with LockClient(url) as mine:
+                deadline = time.monotonic() + 40
+                while time.monotonic() < deadline:
+                    try:
+                        grant = mine.acquire("acme", "leader", ttl=30, holder=holder, wait=30)
+                    except LockHeld as held:
+                        refusals.append(held.args[0] if held.args else "")
+                        continue
+                    told.append(
+                        Told(
+                            grant.id,
+                            ("acme", "leader"),
+                            grant.fencing_token,
+                            datetime.fromisoformat(grant.body["acquired_at"]),
+                        )
+                    )
+                    mine.release(grant.id, grant.token)
+                    return
+
+        with ThreadPoolExecutor(4) as pool:
+            waiting = [pool.submit(campaign, f"candidate-{n}") for n in range(3)]
+            until(lambda: len(client.queue("acme", "leader")["items"]) == 3, what="three places in the queue")
+            heir = pool.submit(campaign, "heir")
+            until(lambda: len(client.queue("acme", "leader")["items"]) == 4, what="the heir's place")
+            client.request_revocation(leader.id, "handover", deadline=30, preferred_holder="heir")
+            client.release(leader.id, leader.token)
+            heir.result(timeout=40)
+            for future in waiting:
+                future.result(timeout=60)
+    grants = sorted(database_history(db_url), key=lambda g: g.fencing_token)
+    assert [g.holder for g in grants][:2] == ["leader-1", "heir"], "the heir came next"
+    released_at, taken_at = grants[0].released_at, grants[1].acquired_at
+    assert released_at is not None and taken_at - released_at < timedelta(seconds=10), (
+        "the heir was granted on the release, not when the candidates' waits ran out"
+    )
+    assert sorted(g.holder or "" for g in grants[2:]) == ["candidate-0", "candidate-1", "candidate-2"]
+    assert check(grants, told, []) == []
+
+
+def test_run_sends_command_sigterm_when_asked_to_let_go_and_then_releases(
+    db_url: str, tmp_path: Path
+) -> None:
+    """A revocation request reaches `run` through a renewal: COMMAND gets SIGTERM (once), finishes
+    cleanly, and the lock is released; `run` exits with COMMAND's status."""
+    pidfile, stopped = tmp_path / "command.pid", tmp_path / "stopped"
+    script = (
+        f"trap 'echo term >> {stopped}; exit 3' TERM; echo $$ > {pidfile}; while true; do sleep 0.05; done"
+    )
+    with (
+        running_service(env={"DATABASE_URL": db_url}, log=tmp_path / "s.log") as (url, _),
+        LockClient(url) as client,
+    ):
+        process = helix_run(
+            url,
+            "--org",
+            "acme",
+            "--job-type",
+            "job",
+            "--ttl",
+            "3",
+            "--",
+            "sh",
+            "-c",
+            script,
+            stderr=subprocess.PIPE,
+        )
+        written_pid(pidfile, process)
+        held = client.current("acme", "job")
+        assert held is not None
+        revoke(url, held["id"])
+        _, err = process.communicate(timeout=30)
+        assert client.current("acme", "job") is None, "released once COMMAND ended"
+        assert client.get(held["id"])["release_reason"] == "released"
+    assert process.returncode == 3, err
+    assert stopped.read_text().split() == ["term"], "SIGTERM, once"
+    assert "asked to let go" in err and "deploying v2" in err, err
 
 
 def test_run_with_several_job_types_holds_all_their_locks_at_once_in_one_session(
