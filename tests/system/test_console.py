@@ -956,31 +956,40 @@ def test_lease_left_reads_in_minutes_and_hours(
 
 
 @needs_chromium
-def test_a_lock_s_hold_limit_shows_beside_its_lease_and_in_its_details_only_when_set(
+def test_a_lock_s_hold_limit_and_closed_key_show_beside_its_lease_and_in_its_details_only_when_set(
     db_url: str, tmp_path: Path, artifacts: Path, browser: Chrome
 ) -> None:
     """A lock acquired with max_hold_seconds: its row counts down to its hold limit under its lease
-    left, and its timeline bar names hold_limit_at; a lock without one shows neither."""
+    left, and its timeline bar names hold_limit_at; one acquired with hold_at_least_seconds: likewise
+    to closed_until, when its key opens again; a lock without either shows neither."""
     with running_service(env=ROUTE.env(db_url), log=tmp_path / "s.log") as (url, _):
         limited = acquire(url, "nightly-report", "limited-worker", max_hold_seconds=3930)
+        closing = acquire(url, "hourly-sync", "closing-worker", hold_at_least_seconds=3930)
         plain = acquire(url, "export", "plain-worker")
         assert limited["hold_limit_at"] and plain["hold_limit_at"] is None
+        assert closing["closed_until"] and limited["closed_until"] is None and plain["closed_until"] is None
         open_console(browser, url)
-        wait_for(browser, lambda b: sorted(holders(b)) == ["limited-worker", "plain-worker"])
+        everyone = ["closing-worker", "limited-worker", "plain-worker"]
+        wait_for(browser, lambda b: sorted(holders(b)) == everyone)
 
-        def hold_cells(b: Chrome, lock: dict[str, Any]) -> list[dict[str, str]]:
+        def marks(b: Chrome, lock: dict[str, Any], kind: str) -> list[dict[str, str]]:
             found: list[dict[str, str]] = b.execute_script(
                 "return [...document.querySelectorAll(`#lock-rows tr[data-lock-id='${arguments[0]}'] td.ttl"
-                " [data-mark=hold-limit]`)].map(mark => ({text: mark.textContent, title: mark.title}))",
+                " [data-mark=${arguments[1]}]`)].map(mark => ({text: mark.textContent, title: mark.title}))",
                 lock["id"],
+                kind,
             )
             return found
 
         def shown(b: Chrome) -> None:
-            [mark] = hold_cells(b, limited)
+            [mark] = marks(b, limited, "hold-limit")
             assert mark["text"] == "hold limit in 1 h 5 min", mark  # 3930 s, counted down from the grant
             assert mark["title"].startswith(f"hold limit {limited['hold_limit_at']}"), mark
-            assert hold_cells(b, plain) == [], "only a lock with a hold limit shows one"
+            assert marks(b, plain, "hold-limit") == marks(b, closing, "hold-limit") == [], "only with a limit"
+            [closed] = marks(b, closing, "closed-until")
+            assert closed["text"] == "key closed for 1 h 5 min", closed  # 3930 s, counted down from the grant
+            assert closed["title"].startswith(f"closed until {closing['closed_until']}:"), closed
+            assert marks(b, limited, "closed-until") == marks(b, plain, "closed-until") == []
             ttl: str = b.execute_script(
                 "const cell = document.querySelector(`#lock-rows tr[data-lock-id='${arguments[0]}'] td.ttl`);"
                 "return cell.firstChild.textContent",
@@ -990,16 +999,24 @@ def test_a_lock_s_hold_limit_shows_beside_its_lease_and_in_its_details_only_when
 
         at_widths(browser, shown, artifacts, "console-hold-limit", "#lock-rows td.ttl")
 
-        # The lock's details (its timeline bar) name the limit; the plain lock's do not.
+        # The lock's details (its timeline bar) name the limit, or the closing; the plain lock's neither.
         click(browser, f"#lock-rows tr[data-lock-id='{limited['id']}'] button.key")
         held = wait_for(browser, lambda b: bar(b, "held"))
         assert held["id"] == str(limited["id"]), held
         assert f"\nhold limit {limited['hold_limit_at']}: no lease runs past it" in held["title"], held
+        assert "closed until" not in held["title"], held
+        click(browser, f"#lock-rows tr[data-lock-id='{closing['id']}'] button.key")
+        closed = wait_for(
+            browser, lambda b: (found := bar(b, "held")) and found["id"] == str(closing["id"]) and found
+        )
+        named = f"\nclosed until {closing['closed_until']}: no other lock of the key before it"
+        assert named in closed["title"], closed
+        assert "hold limit" not in closed["title"], closed
         click(browser, f"#lock-rows tr[data-lock-id='{plain['id']}'] button.key")
         other = wait_for(
             browser, lambda b: (found := bar(b, "held")) and found["id"] == str(plain["id"]) and found
         )
-        assert "hold limit" not in other["title"], other
+        assert "hold limit" not in other["title"] and "closed until" not in other["title"], other
         assert errors(browser) == []
 
 

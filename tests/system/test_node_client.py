@@ -257,7 +257,8 @@ console.log(JSON.stringify({ held, second: grant.fencingToken, after }));
 
 CONSUMER_TYPES = """
 import {
-  HoldLimitError, LockClient, LockHeldError, LockLostError, type Lease, type Lock, type LockMode,
+  ClosedUntilError, HoldLimitError, LockClient, LockHeldError, LockLostError, type Lease, type Lock,
+  type LockMode,
 } from "helix-locks";
 
 const client: LockClient = new LockClient({ url: "http://127.0.0.1:8080" });
@@ -287,6 +288,14 @@ client.acquire({ organizationId: "acme", jobType: "typed", maxHoldSeconds: "1h" 
 export const sessionLimit: Promise<string | null> = client
   .openSession({ organizationId: "acme", jobTypes: ["a"], maxHoldSeconds: 60 })
   .then((grant) => grant.holdLimitAt);
+const closing = { organizationId: "acme", jobType: "typed", holdAtLeastSeconds: 3000 };
+export const opens: Promise<string | null> = client
+  .withLock(closing, (lease: Lease) => lease.closedUntil ?? lease.grant.closedUntil)
+  .catch((error: unknown) => (error instanceof ClosedUntilError ? error.closedUntil : null));
+// A ClosedUntilError is a LockHeldError: code written before closed keys still catches it.
+export const held: LockHeldError = new ClosedUntilError({ closed_until: "2026-12-01T00:00:00Z" }, 60);
+// @ts-expect-error: a closing is a number of seconds
+client.acquire({ organizationId: "acme", jobType: "typed", holdAtLeastSeconds: "50m" });
 """
 
 

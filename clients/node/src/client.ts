@@ -7,6 +7,7 @@ import { hostname, userInfo } from "node:os";
 
 import {
   ApiError,
+  ClosedUntilError,
   HelixLocksError,
   HoldLimitError,
   LockHeldError,
@@ -302,6 +303,9 @@ function raiseFor(answer: Answer, holding: boolean): void {
   if (answer.status === 409 && problem.type === `${PROBLEM}max-holders-mismatch`) {
     throw new MaxHoldersMismatchError(problem, requestId);
   }
+  if (answer.status === 409 && problem.type === `${PROBLEM}closed-until`) {
+    throw new ClosedUntilError(problem, retryAfterMs(answer.headers, 1000) / 1000, requestId);
+  }
   if (answer.status === 409) {
     throw new LockHeldError(problem, retryAfterMs(answer.headers, 1000) / 1000, requestId);
   }
@@ -372,6 +376,9 @@ export class Grant implements LockRef {
   /** performance.now() by which the hold limit has surely come, counted from the acquire's send
    * by the answer's database times; null without one. */
   readonly heldUntil: number | null;
+  /** Until when the grant closed its key (`holdAtLeastSeconds`), as the service sent it
+   * (closed_until), or null: none. No other lock of the key is granted before it. */
+  readonly closedUntil: string | null;
   readonly #token: string;
 
   constructor(answer: Acquired, ttl: number, sentAt: number) {
@@ -393,6 +400,7 @@ export class Grant implements LockRef {
     this.sentAt = sentAt;
     this.holdLimitAt = answer.hold_limit_at ?? null; // absent from a service older than hold limits
     this.heldUntil = heldUntil(answer, sentAt, true);
+    this.closedUntil = answer.closed_until ?? null; // absent from a service older than closed keys
   }
 
   /** The secret that proves ownership (Lock-Token). Not an own property: a logged or
@@ -659,6 +667,11 @@ export class Lease extends Held<Grant, Lock> {
     return this.limited;
   }
 
+  /** Until when the grant closed the key (closed_until, as the service sent it), or null: none. */
+  get closedUntil(): string | null {
+    return this.grant.closedUntil;
+  }
+
   /** The latest lock object the service answered: at the grant, or at the latest renewal or update. */
   get lock(): Lock {
     return this.answer;
@@ -908,10 +921,13 @@ export class LockClient {
    * `mode: "shared"`: a reader, held beside the key's other readers (each with a lease of its own)
    * and never beside an exclusive lock, which waits for every reader; a reader waits behind a
    * waiting writer (LockHeldError `waiters-ahead` without `wait`). With `maxHoldSeconds`, a hold
-   * limit: no lease of the lock runs past `grant.holdLimitAt`, however it is renewed.
+   * limit: no lease of the lock runs past `grant.holdLimitAt`, however it is renewed. With
+   * `holdAtLeastSeconds`, the grant closes the key until `grant.closedUntil`, whatever becomes of
+   * the lock: every acquire meanwhile gets ClosedUntilError (a LockHeldError), and a waiting one
+   * waits for the opening, or gets it at once when its wait would end first.
    */
   async acquire(options: AcquireOptions): Promise<Grant> {
-    const { organizationId, jobType, holder, metadata, mode, maxHoldSeconds } = options;
+    const { organizationId, jobType, holder, metadata, mode, maxHoldSeconds, holdAtLeastSeconds } = options;
     const ttl = options.ttl ?? 30;
     const maxHolders = options.maxHolders ?? 1;
     const body: Record<string, unknown> = {
@@ -924,6 +940,7 @@ export class LockClient {
     if (maxHolders !== 1) body.max_holders = maxHolders; // an older service gets the same body
     if (mode !== undefined && mode !== "exclusive") body.mode = mode; // likewise: the default is not sent
     if (maxHoldSeconds !== undefined && maxHoldSeconds !== null) body.max_hold_seconds = maxHoldSeconds; // likewise
+    if (holdAtLeastSeconds !== undefined && holdAtLeastSeconds !== null) body.hold_at_least_seconds = holdAtLeastSeconds;
     const { answer, started } = await this.#granted("/v1/locks", body, ttl, options.wait ?? 0, options.signal);
     return new Grant(answer as Acquired, ttl, started);
   }
@@ -1011,6 +1028,8 @@ export class LockClient {
         return { answer: answer.body, started };
       } catch (error) {
         if (!(error instanceof LockHeldError) || now() >= giveUp) throw error;
+        // A closed key opens no sooner than Retry-After: asking again before the wait ends cannot help.
+        if (error instanceof ClosedUntilError && error.retryAfter * 1000 > giveUp - now()) throw error;
         // The service waited as long as it would (a round ends at its 60 s): ask again soon, but
         // never in a tight loop against one that answers 409 at once, and never past the wait.
         const pause = Math.min(pauseMs(round), error.retryAfter * 1000, giveUp - now());

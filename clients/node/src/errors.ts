@@ -98,6 +98,23 @@ export class LockHeldError extends ApiError {
 }
 
 /**
+ * A grant with `holdAtLeastSeconds` closed the key (409 `closed-until`): no lock of it is granted
+ * before `closedUntil` (RFC 3339, the database's time), whoever holds it now, if anyone.
+ * `retryAfter` counts the whole seconds until then. A LockHeldError, so that code that treats
+ * "someone else has it" alike keeps working; of a session's call, `jobType` names the closed key.
+ */
+export class ClosedUntilError extends LockHeldError {
+  override name = "ClosedUntilError";
+  readonly closedUntil: string | null;
+
+  constructor(problem: Problem, retryAfter: number, requestId: string | null = null) {
+    super(problem, retryAfter, requestId);
+    this.closedUntil = typeof problem.closed_until === "string" ? problem.closed_until : null;
+    this.message = `closed until ${String(this.closedUntil)}`;
+  }
+}
+
+/**
  * The key's held locks share another `max_holders` than the acquire named (409
  * `max-holders-mismatch`): a configuration error, which waiting does not cure. `maxHolders` is
  * the value in force.

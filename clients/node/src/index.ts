@@ -13,6 +13,7 @@ export { defaultHolder, Grant, Lease, LockClient, LockList, SessionGrant, Sessio
 export type { LockClientOptions, LockRef } from "./client.js";
 export {
   ApiError,
+  ClosedUntilError,
   HelixLocksError,
   HoldLimitError,
   LockHeldError,

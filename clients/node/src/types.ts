@@ -44,6 +44,10 @@ export interface Lock {
   /** acquired_at + the acquire's max_hold_seconds, by the database's clock: no lease of the lock runs
    * past it, however it is renewed; null without a hold limit (absent from a service older than them). */
   hold_limit_at?: string | null;
+  /** acquired_at + the acquire's hold_at_least_seconds, by the database's clock: no other lock of
+   * the key is granted before it, whatever becomes of this one; null when the acquire closed none
+   * (absent from a service older than closed keys). */
+  closed_until?: string | null;
 }
 
 /** A session: one lease that its locks share. */
@@ -176,6 +180,12 @@ export interface AcquireOptions extends LockKey {
    * its renewals go on loses the lock then. withLock's signal aborts before it, as before a lease's
    * end. Default: none. */
   maxHoldSeconds?: number;
+  /** Closes the key for this many seconds (1 to 604800) from the grant (`closed_until`, by the
+   * database's clock): no other lock of the key is granted before then, whatever becomes of this
+   * one, released at once included; acquires meanwhile get ClosedUntilError. So a schedule that
+   * many machines fire runs once per interval. Exclusive locks with `maxHolders` 1 only.
+   * Default: none. */
+  holdAtLeastSeconds?: number;
   /** Who holds it, for humans. Default user@host:pid. */
   holder?: string;
   /** The lock's metadata at grant. */

@@ -1,11 +1,12 @@
 // Hold limits (maxHoldSeconds): the limit is the end of every lease, so the lease's signal aborts
 // before it by the database's clock, however renewals go; counted from the acquire's send by the
-// answer's own database times, never by this machine's wall clock.
+// answer's own database times, never by this machine's wall clock. And closed keys
+// (holdAtLeastSeconds): no other grant of the key before closed_until, by the database's clock.
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import { setTimeout as pause } from "node:timers/promises";
 
-import { ApiError, HoldLimitError, LockClient, LockLostError } from "../dist/index.js";
+import { ApiError, ClosedUntilError, HoldLimitError, LockClient, LockHeldError, LockLostError } from "../dist/index.js";
 import { FaultyProxy, ORG, client, dbClock, dbTime, fakeServer, jobType, rejection, service, within } from "./helpers.mjs";
 
 const renewals = (proxy) => proxy.seen.filter((r) => r.method === "POST" && r.path.endsWith("/renew"));
@@ -291,4 +292,72 @@ test("a renewal answered 410 hold-limit-reached loses the lease with a HoldLimit
   } finally {
     await within(fake.close(), 5_000);
   }
+});
+
+test("holdAtLeastSeconds: closedUntil on the grant and the lock object; after a release, the next acquire is a ClosedUntilError naming it", async () => {
+  const locks = client();
+  const job = jobType("closed");
+  const grant = await locks.acquire({ organizationId: ORG, jobType: job, ttl: 30, holdAtLeastSeconds: 60 });
+  assert.ok(grant.closedUntil, "the key is closed");
+  assert.equal(grant.closedUntil, grant.lock.closed_until);
+  assert.equal(dbTime(grant.closedUntil) - dbTime(grant.lock.acquired_at), 60_000, "acquired_at + hold_at_least_seconds");
+  assert.equal(grant.holdLimitAt, null, "a closing is no hold limit");
+  await locks.release(grant);
+  assert.equal((await locks.get(grant.id)).closed_until, grant.closedUntil, "the released lock keeps it");
+
+  // Released at once, the key stays closed: a LockHeldError still, for code that knows no more.
+  const refused = await rejection(locks.acquire({ organizationId: ORG, jobType: job, ttl: 30, holder: "late" }));
+  assert.ok(refused instanceof ClosedUntilError && refused instanceof LockHeldError, String(refused));
+  assert.equal(refused.kind, "closed-until");
+  assert.equal(refused.closedUntil, grant.closedUntil);
+  assert.ok(refused.retryAfter > 1 && refused.retryAfter <= 60, `Retry-After ${refused.retryAfter}`);
+  assert.match(refused.message, /closed until/);
+
+  // Without it, none; and only an exclusive lock with maxHolders 1 closes its key (else 422).
+  const plain = await locks.acquire({ organizationId: ORG, jobType: jobType("open"), ttl: 30 });
+  assert.equal(plain.closedUntil, null);
+  await locks.release(plain);
+  for (const options of [{ mode: "shared" }, { maxHolders: 2 }]) {
+    const bad = await rejection(locks.acquire({ organizationId: ORG, jobType: jobType("no-close"), holdAtLeastSeconds: 5, ...options }));
+    assert.ok(bad instanceof ApiError && bad.status === 422, `${JSON.stringify(options)}: ${bad}`);
+  }
+});
+
+test("a wait that would end before closed_until is a ClosedUntilError at once, asked once, not waited out", async (t) => {
+  const proxy = await new FaultyProxy(service.url).start(); // counts the acquires the client sends
+  try {
+    const job = jobType("closed-wait");
+    const first = await client().acquire({ organizationId: ORG, jobType: job, ttl: 30, holdAtLeastSeconds: 30 });
+    await client().release(first);
+    const started = performance.now();
+    const refused = await rejection(client(proxy.url).acquire({ organizationId: ORG, jobType: job, ttl: 30, wait: 10 }));
+    const took = performance.now() - started;
+    t.diagnostic(`refused after ${took.toFixed(0)} ms of a 10 s wait`);
+    assert.ok(refused instanceof ClosedUntilError, String(refused));
+    assert.equal(refused.closedUntil, first.closedUntil);
+    assert.ok(took < 3000, `refused after ${took.toFixed(0)} ms, not at once`);
+    // Told by the service at once, the client does not pause and ask again: waiting cannot help.
+    const asked = proxy.seen.filter((r) => r.method === "POST" && r.path === "/v1/locks");
+    assert.deepEqual(asked.map((r) => r.told), [409]);
+  } finally {
+    await proxy.close();
+  }
+});
+
+test("withLock with holdAtLeastSeconds 2, released at once: a wait of 20 s is granted at or after closed_until", async (t) => {
+  const locks = client();
+  const job = jobType("closed-open");
+  let closedUntil = null;
+  await locks.withLock({ organizationId: ORG, jobType: job, ttl: 30, holdAtLeastSeconds: 2 }, (lease) => {
+    closedUntil = lease.closedUntil;
+    assert.equal(closedUntil, lease.grant.closedUntil);
+    assert.equal(dbTime(closedUntil) - dbTime(lease.lock.acquired_at), 2000);
+  });
+  const next = await locks.acquire({ organizationId: ORG, jobType: job, ttl: 30, wait: 20, holder: "next" });
+  const after = dbTime(next.lock.acquired_at) - dbTime(closedUntil);
+  t.diagnostic(`granted ${after.toFixed(0)} ms after closed_until`);
+  // By the database's clock, both times from its own answers.
+  assert.ok(after >= 0 && after < 3000, `granted ${after} ms after closed_until`);
+  assert.equal(next.closedUntil, null);
+  await locks.release(next);
 });

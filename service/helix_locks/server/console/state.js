@@ -23,7 +23,7 @@ export const state = {
   startFailures: 0, // failed first listings in a row, for the backoff of start()
   metricsTimer: null,
   view: { filter: '', sortKey: 'organization_id', sortDir: 1, page: 0 },
-  renderedRows: [], // [{entry, ttlText, holdCell, ageCell, stateCell}] of the page on screen
+  renderedRows: [], // [{entry, ttlText, holdCell, closedCell, ageCell, stateCell}] of the page on screen
   timeline: null, // {org, job, windowMs, start, end, follow, chosen}
   timelineAbort: null, // stops the open timeline's history reading
   queueTimer: null, // the next reading of the open timeline's queue
@@ -56,12 +56,22 @@ export function ttlLeft(entry) {
 // database's clock as the lock's own answer gave it (the limit less its expires_at, plus the lease
 // left), and by the page's estimate of that clock once its lease has run out.
 export function holdLeft(entry) {
+  return leftUntil(entry, entry.lock.hold_limit_at);
+}
+
+// The time left until the key opens again (closed_until, set by hold_at_least_seconds), or null
+// when the lock's grant closed none: counted as holdLeft counts.
+export function closedLeft(entry) {
+  return leftUntil(entry, entry.lock.closed_until);
+}
+
+function leftUntil(entry, at) {
   const lock = entry.lock;
-  if (!lock.hold_limit_at) return null;
-  const limit = Date.parse(lock.hold_limit_at);
+  if (!at) return null;
+  const until = Date.parse(at);
   const left = lock.ttl_remaining_ms > 0
-    ? limit - Date.parse(lock.expires_at) + lock.ttl_remaining_ms - (performance.now() - entry.seen)
-    : limit - serverNow();
+    ? until - Date.parse(lock.expires_at) + lock.ttl_remaining_ms - (performance.now() - entry.seen)
+    : until - serverNow();
   return Math.max(0, left);
 }
 

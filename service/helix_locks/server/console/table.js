@@ -5,7 +5,7 @@ import { renderCharts } from './charts.js';
 import { $, el } from './dom.js';
 import { askForce } from './force.js';
 import { MODE_TITLES, duration, metadataText, modeOf, unbroken } from './format.js';
-import { age, awaitingReclaim, holdLeft, state, ttlLeft } from './state.js';
+import { age, awaitingReclaim, closedLeft, holdLeft, state, ttlLeft } from './state.js';
 import { openTimeline } from './timeline.js';
 
 const PAGE_SIZE = 50;
@@ -139,7 +139,8 @@ function row(entry) {
   }, el('bdi', {}, lock.job_type));
   keyButton.addEventListener('click', () => openTimeline(lock.organization_id, lock.job_type));
   const stateCell = el('td', { class: 'state' });
-  // The lease left, and under it, for a lock with a hold limit, the time left until that limit.
+  // The lease left, and under it, for a lock with a hold limit, the time left until that limit,
+  // and for one whose grant closed its key, the time left until the key opens again.
   const ttlText = document.createTextNode('');
   const ttlCell = el('td', { class: 'number ttl' }, ttlText);
   let holdCell = null;
@@ -149,6 +150,15 @@ function row(entry) {
       title: `hold limit ${lock.hold_limit_at}: no lease of this lock runs past it`,
     });
     ttlCell.append(holdCell);
+  }
+  let closedCell = null;
+  if (lock.closed_until) {
+    closedCell = el('span', {
+      class: 'closed-until', 'data-mark': 'closed-until',
+      title: `closed until ${lock.closed_until}: no other lock of this key is granted before it,`
+        + ' even once this one ends',
+    });
+    ttlCell.append(closedCell);
   }
   const ageCell = el('td', { class: 'number age' });
   const mode = modeOf(lock);
@@ -181,7 +191,7 @@ function row(entry) {
     ageCell,
     el('td', { class: 'metadata' }, metadataCode(lock.metadata)),
     ...action);
-  const rendered = { entry, stateCell, ttlText, holdCell, ageCell };
+  const rendered = { entry, stateCell, ttlText, holdCell, closedCell, ageCell };
   tick(rendered);
   state.renderedRows.push(rendered);
   return tr;
@@ -220,6 +230,10 @@ function tick(rendered) {
   if (rendered.holdCell) {
     const holdMs = holdLeft(entry);
     rendered.holdCell.textContent = holdMs > 0 ? `hold limit in ${duration(holdMs, true)}` : 'hold limit reached';
+  }
+  if (rendered.closedCell) {
+    const closedMs = closedLeft(entry);
+    rendered.closedCell.textContent = closedMs > 0 ? `key closed for ${duration(closedMs, true)}` : 'key open again';
   }
   const held = age(entry.lock);
   rendered.ageCell.textContent = duration(held);

@@ -152,6 +152,7 @@ function lockTitle(lock, kind, gapMs) {
     `expires ${lock.expires_at}`,
   ];
   if (lock.hold_limit_at) lines.push(`hold limit ${lock.hold_limit_at}: no lease runs past it`);
+  if (lock.closed_until) lines.push(`closed until ${lock.closed_until}: no other lock of the key before it`);
   if (lock.released_at) lines.push(`released ${lock.released_at} (${lock.release_reason})`);
   if (lock.forced_by) lines.push(`forced by the admin key ${lock.forced_by}`);
   if (lock.session_id) lines.push(`in session ${lock.session_id}, whose lease it shares`);
