@@ -18,6 +18,11 @@
 -- acquire of a reserved pair answers 503 while the reservation lasts (docs/deployment.md), and it
 -- has no revocation endpoint; only this build makes requests.
 
+-- Every table this migration alters, locked at once and first, in the order the statements of the
+-- previous builds take them (a pair's row before its holds, a hold before its history), so that a
+-- replica serving meanwhile waits for the migration rather than deadlocking with it.
+LOCK TABLE helix_lock_keys, helix_holds, helix_lock_history IN ACCESS EXCLUSIVE MODE;
+
 ALTER TABLE helix_holds ADD COLUMN revocation jsonb, ADD COLUMN revocation_xid xid8;
 COMMENT ON COLUMN helix_holds.revocation IS 'A request that the holder let go (0035): {requested_at, reason, deadline, by, preferred_holder}, the first one only; NULL: none.';
 COMMENT ON COLUMN helix_holds.revocation_xid IS 'The transaction that recorded the revocation request: its event''s place in the stream (0035).';
@@ -64,7 +69,26 @@ BEGIN
         WHERE k.organization_id = v_lock.organization_id AND k.job_type = v_lock.job_type
         FOR UPDATE;
     END IF;
+    -- The hold's row, waiting out a renewal or an end in flight: the clock is read after every
+    -- wait, so that the request comes after what committed before it, in time and in the stream.
+    PERFORM FROM helix_holds AS h
+    WHERE h.organization_id = v_lock.organization_id AND h.job_type = v_lock.job_type
+      AND h.slot = v_lock.slot AND h.id = p_lock_id
+    FOR UPDATE;
     v_now := clock_timestamp();
+    -- A lock of a session whose lease ran out: its expiry is announced on the session's row, in
+    -- this transaction, so the stream sends it before the request (as for a lock alone:
+    -- helix_hold_changed). Without waiting: a renewal or an end of the session in flight
+    -- announces it otherwise.
+    IF v_lock.session_id IS NOT NULL THEN
+        UPDATE helix_sessions AS s SET expired_xid = pg_current_xact_id(), changed_xid = pg_current_xact_id()
+        WHERE s.id = (
+            SELECT s2.id FROM helix_sessions AS s2
+            WHERE s2.id = v_lock.session_id AND s2.expired_xid IS NULL AND s2.ended_at IS NULL
+              AND s2.expires_at <= v_now
+            FOR NO KEY UPDATE SKIP LOCKED
+        );
+    END IF;
     -- The first request stays as it was: a repeat (or a request racing it) changes nothing.
     UPDATE helix_holds AS h
     SET revocation = jsonb_build_object(
@@ -126,6 +150,13 @@ BEGIN
         NULL;  -- an announcement: changed_xid below
     ELSIF NEW.revocation IS DISTINCT FROM OLD.revocation THEN
         NEW.revocation_xid := v_xid;  -- a revocation request (0035)
+        -- A request on a lease that ran out announces the expiry, if no one did: the stream sends
+        -- it before the request, as an update's. A session's lease: its row
+        -- (helix_request_revocation).
+        IF OLD.expired_xid IS NULL AND NEW.session_id IS NULL
+           AND OLD.expires_at <= (NEW.revocation ->> 'requested_at')::timestamptz THEN
+            NEW.expired_xid := v_xid;
+        END IF;
     ELSE
         RETURN NEW;  -- no change anyone watches (an idempotent repeat's claim)
     END IF;

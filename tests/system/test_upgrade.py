@@ -165,6 +165,9 @@ REFUSED = {
     ("0032_shared_locks_reviewed.sql", "b85eb4504ad79081f78f1e55ee2d799370e8026417ded349677b220bb5294c85"),
     # Never landed: hold limits of locks on their own only, before sessions had them.
     ("0033_hold_limits.sql", "ca26fac8b34b728bacb18bc0219ecb0285a0819b65403dde54a18efecf24d306"),
+    # Never landed: a revocation request read its clock before waiting for the hold's row, and
+    # one on a lease that had run out was sent before its expiry.
+    ("0035_revocation_requests.sql", "628e26f5b3bbcedb51fa8f0ef34205f0d7c0aa6e66a8d728ae7bebe883c8756f"),
 }
 
 

@@ -80,7 +80,7 @@ _HOLD_SHARED = "(SELECT h.shared FROM helix_holds AS h WHERE h.id = %(lock_id)s)
 # A lock's hold limit (migration 0033), the time until which its grant closed its pair (0034) and a
 # request that its holder let go (0035), the same way; the first two never change, and no lock
 # function but helix_request_revocation changes the last.
-_HOLD_LIMIT = (
+_HOLD_BOUNDS = (
     "(SELECT h.hold_limit_at FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS hold_limit_at, "
     "(SELECT h.closed_until FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS closed_until, "
     "(SELECT h.revocation FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS revocation"
@@ -92,7 +92,7 @@ FORCE_RELEASE = (
     + ", "
     + _HOLD_SHARED
     + ", "
-    + _HOLD_LIMIT
+    + _HOLD_BOUNDS
     + " FROM helix_force_release_job_lock(%(lock_id)s, %(key_id)s)"
 )
 
@@ -105,7 +105,7 @@ RENEW = (
     + ", lapsed, limited, "
     + _HOLD_SHARED
     + ", "
-    + _HOLD_LIMIT
+    + _HOLD_BOUNDS
     + " FROM helix_renew_job_lock(%(lock_id)s, %(token)s, %(ttl_ms)s, %(scope)s)"
 )
 
@@ -116,7 +116,7 @@ UPDATE = (
     + """, (SELECT h.session_id FROM helix_holds AS h WHERE h.id = %(lock_id)s) AS session_id, """
     + _HOLD_SHARED
     + ", "
-    + _HOLD_LIMIT
+    + _HOLD_BOUNDS
     + """
 FROM helix_update_job_lock(%(lock_id)s, %(token)s, %(metadata)s, %(scope)s)"""
 )

@@ -358,7 +358,9 @@ class Waiters:
                 if left <= 0 or closed_past(held, left):
                     raise  # the wait is over, or will be before the pair opens: this refusal is the answer
                 expiry = await _expiry_ms(held, remaining_ms)
-                if isinstance(held, Reserved) and queue.reserved_until <= loop.time():
+                if not isinstance(held, Reserved):
+                    queue.reserved_until = 0.0  # no longer reserved (its grant used it up): turns again
+                elif queue.reserved_until <= loop.time():
                     queue.reserved_until = loop.time() + held.reserved_ms / 1000
                     for other in queue.places.values():  # each tries: one may be the preferred holder's
                         other.set()
