@@ -157,17 +157,20 @@ type call struct {
 	refusedWithin time.Duration
 	// holding: the request acts on a lock this client holds, so 403 and 404 mean it is lost too.
 	holding bool
+	// repeatable: a POST whose repeat changes nothing (a revocation request keeps the first one),
+	// so it may be sent again whatever became of an earlier attempt.
+	repeatable bool
 }
 
 // send sends one request, retried on network trouble and on the retried statuses (after
 // Retry-After when given) for at most within from the first failure, a refused connection for at
 // most refusedWithin from the start. Every request this client sends may be repeated: an acquire
-// carries its Idempotency-Key, and the rest act on one lock or read. A POST without an
-// Idempotency-Key would be sent again only when the service surely did nothing (429, a refused
-// connection). A success comes back as its answer, a refusal as its error.
+// carries its Idempotency-Key, a revocation request is repeatable, and the rest act on one lock
+// or read. A POST without an Idempotency-Key would be sent again only when the service surely did
+// nothing (429, a refused connection). A success comes back as its answer, a refusal as its error.
 func (c *Client) send(ctx context.Context, r call) (*answer, error) {
 	started := time.Now()
-	idempotent := r.method != http.MethodPost || r.holding || r.header["Idempotency-Key"] != ""
+	idempotent := r.method != http.MethodPost || r.holding || r.repeatable || r.header["Idempotency-Key"] != ""
 	refusing := r.refusedWithin
 	if refusing == 0 {
 		refusing = r.within
@@ -323,7 +326,18 @@ func (c *Client) errorFor(got *answer, holding bool) error {
 		if !ok {
 			wait = time.Second
 		}
-		return newLockHeld(*api, wait)
+		held := newLockHeld(*api, wait)
+		switch api.Kind() {
+		case "closed-until":
+			closed := &ClosedUntilError{LockHeldError: *held}
+			closed.ClosedUntil, _ = time.Parse(time.RFC3339Nano, got.problem.String("closed_until"))
+			return closed
+		case "reserved":
+			reserved := &ReservedError{LockHeldError: *held, PreferredHolder: got.problem.String("preferred_holder")}
+			reserved.Deadline, _ = time.Parse(time.RFC3339Nano, got.problem.String("deadline"))
+			return reserved
+		}
+		return held
 	case got.status == http.StatusGone || (holding && lockGone[got.status]):
 		lost := &LockLostError{
 			Reason:    strings.TrimSpace(fmt.Sprintf("%d: %s", got.status, got.problem.said())),

@@ -167,6 +167,79 @@ func TestContractAWaitingAcquireAsksAgainNoLaterThanItsWaitEnds(t *testing.T) {
 	}
 }
 
+func TestContractAWaitingAcquireOfAKeyClosedPastItsWaitAsksOnceAndOneClosedLongerThanARoundAsksNearItsOpening(t *testing.T) {
+	t.Parallel()
+	closed := map[string]any{"type": "urn:helix-locks:problem:closed-until", "closed_until": "2030-01-02T03:04:05.5Z", "job_type": "report"}
+	server := newScripted(t, nil, &scriptedAnswer{status: 409, header: map[string]string{"retry-after": "5"}, body: closed})
+	_, err := server.client.Acquire(context.Background(), AcquireOptions{OrganizationID: "acme", JobType: "report", Wait: 2 * time.Second})
+	var refused *ClosedUntilError
+	var held *LockHeldError
+	if !errors.As(err, &refused) || !errors.As(err, &held) || held.RetryAfter != 5*time.Second || held.JobType != "report" {
+		t.Fatalf("%v", err)
+	}
+	if !refused.ClosedUntil.Equal(time.Date(2030, 1, 2, 3, 4, 5, 5e8, time.UTC)) || refused.Kind() != "closed-until" {
+		t.Errorf("%+v", refused)
+	}
+	if seen := len(server.requests()); seen != 1 {
+		t.Errorf("a key that opens after the wait was asked for %d times", seen)
+	}
+
+	// Closed for 52 s, with a wait of a minute: the service refuses at once what it cannot wait for
+	// in one round, so the next ask comes once the opening is within a round (2 s), not every
+	// backoff's pause.
+	server = newScripted(t, []scriptedAnswer{{status: 409, header: map[string]string{"retry-after": "52"}, body: closed}},
+		&scriptedAnswer{status: 201, body: grantedBody()})
+	if _, err := server.client.Acquire(context.Background(), AcquireOptions{OrganizationID: "acme", JobType: "report", Wait: time.Minute}); err != nil {
+		t.Fatal(err)
+	}
+	if gaps := server.gaps(); len(gaps) != 1 || gaps[0] < 2-0.002 || gaps[0] > 2.5 {
+		t.Errorf("asked again after %v s", gaps)
+	}
+}
+
+func TestContractAReservedKeyIsALockHeldErrorThatNamesItsPreferredHolder(t *testing.T) {
+	reserved := map[string]any{"type": "urn:helix-locks:problem:reserved", "preferred_holder": "w-9", "deadline": "2030-01-02T03:04:05Z"}
+	server := newScripted(t, nil, &scriptedAnswer{status: 409, header: map[string]string{"retry-after": "30"}, body: reserved})
+	_, err := server.client.Acquire(context.Background(), AcquireOptions{OrganizationID: "acme", JobType: "report"})
+	var refused *ReservedError
+	var held *LockHeldError
+	var api *APIError
+	if !errors.As(err, &refused) || !errors.As(err, &held) || !errors.As(err, &api) || api.Status != 409 {
+		t.Fatalf("%v", err)
+	}
+	if refused.PreferredHolder != "w-9" || !refused.Deadline.Equal(time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)) ||
+		held.RetryAfter != 30*time.Second || err.Error() != "reserved for w-9 until 2030-01-02T03:04:05Z" {
+		t.Errorf("%+v: %v", refused, err)
+	}
+}
+
+func TestContractARevocationRequestIsSentAgainAfterAnUnknownOutcomeAsARepeatChangesNothing(t *testing.T) {
+	c := theContract(t)
+	var answers []scriptedAnswer
+	for _, status := range c.Requests.UnknownOutcomeStatuses {
+		answers = append(answers, scriptedAnswer{status: status, header: map[string]string{"retry-after": "0"}})
+	}
+	revocation := map[string]any{"requested_at": "2030-01-02T03:04:05Z", "reason": "deploying v2",
+		"deadline": "2030-01-02T03:05:05Z", "by": nil, "preferred_holder": "w-9"}
+	server := newScripted(t, answers, &scriptedAnswer{status: 202, body: lockBody(7, 30000, map[string]any{"revocation": revocation})})
+	lock, err := server.client.RequestRevocation(context.Background(), 7, "deploying v2", RevocationOptions{PreferredHolder: "w-9"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := lock.Revocation; r == nil || r.Reason != "deploying v2" || r.By != "" || r.PreferredHolder != "w-9" ||
+		!r.Deadline.Equal(r.RequestedAt.Add(time.Minute)) {
+		t.Errorf("%+v", lock.Revocation)
+	}
+	seen := server.requests()
+	if len(seen) != len(answers)+1 {
+		t.Fatalf("%d requests", len(seen))
+	}
+	// The default deadline is the service's: not sent.
+	if body := string(seen[0].body); seen[0].path != "/v1/locks/7/revocation" || body != `{"preferred_holder":"w-9","reason":"deploying v2"}` {
+		t.Errorf("%s %s", seen[0].path, body)
+	}
+}
+
 func TestContractTheLockGoneStatusesLoseAHeldLockAnd410AnyRequest(t *testing.T) {
 	c := theContract(t)
 	gone := set(c.Requests.LockGoneStatuses)

@@ -32,4 +32,10 @@
 // its renewals go on: no lease runs past the grant plus MaxHold, however the holder renews, and
 // the callback's context is cancelled a safety margin before it, with a HoldLimitError inside the
 // LockLostError that Err and WithLock return. Choose a little more than the longest honest run.
+//
+// A grant with AcquireOptions.HoldAtLeast closes its key for that long, whatever becomes of the
+// lock, so that a job that many machines schedule runs once per interval: acquires meanwhile get
+// a ClosedUntilError (a LockHeldError too). Client.RequestRevocation asks a holder to let go: its
+// lease's RevocationRequested channel is closed once a renewal's answer carries the request, and
+// nothing is cancelled or forced, so the callback finishes its step and returns.
 package helixlocks

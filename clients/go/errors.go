@@ -107,8 +107,9 @@ func parseProblem(body []byte, isJSON bool) *Problem {
 
 // APIError is an answer of the service that no more specific error stands for: a bad request
 // (422, with Problem.Errors naming each field), a missing or revoked key (401), another
-// organization (403), a quota that lasted (429), and so on. LockHeldError,
-// MaxHoldersMismatchError and TokenMismatchError are APIErrors too (errors.As finds it in them).
+// organization (403), a quota that lasted (429), and so on. LockHeldError (ClosedUntilError and
+// ReservedError too), MaxHoldersMismatchError and TokenMismatchError are APIErrors too (errors.As
+// finds it in them).
 type APIError struct {
 	// Status is the HTTP status.
 	Status  int
@@ -137,8 +138,9 @@ func (e *APIError) Error() string {
 func (e *APIError) Kind() string { return e.Problem.Kind() }
 
 // LockHeldError says that another holder has the lock (409 lock-held); of a semaphore, live locks
-// hold every slot; to a shared acquire, a writer holds or waits for the key (waiters-ahead). Every
-// 409 but max-holders-mismatch is one: Kind says which.
+// hold every slot; to a shared acquire, a writer holds or waits for the key (waiters-ahead); the
+// key is closed (ClosedUntilError) or reserved for another holder (ReservedError). Every 409 but
+// max-holders-mismatch is one: Kind says which, and errors.As finds the more specific error.
 type LockHeldError struct {
 	APIError
 	// LockID, Holder and ExpiresAt name the held lock whose lease runs out first (zero when the
@@ -214,6 +216,51 @@ func (e *LockHeldError) As(target any) bool {
 		return true
 	}
 	return false
+}
+
+// ClosedUntilError says that a grant with HoldAtLeast closed the key (409 closed-until): no lock
+// of it is granted before ClosedUntil, whoever holds it now, if anyone. It is a LockHeldError too
+// (errors.As finds it), so code that waits or gives up on "someone else has it" keeps working; its
+// RetryAfter counts the whole seconds until the key opens, and JobType names the closed key of a
+// session's call. A waiting acquire whose wait would end before the opening returns it at once.
+type ClosedUntilError struct {
+	LockHeldError
+	// ClosedUntil is when the key opens, by the database's clock (zero when the body does not say).
+	ClosedUntil time.Time
+}
+
+func (e *ClosedUntilError) Error() string {
+	return "closed until " + e.Problem.String("closed_until")
+}
+
+// As lets errors.As find the LockHeldError (and so the APIError) in a ClosedUntilError.
+func (e *ClosedUntilError) As(target any) bool { return e.LockHeldError.asHeld(target) }
+
+// ReservedError says that a revocation request reserved the free key for its PreferredHolder
+// until Deadline (409 reserved): anyone else's acquire is refused meanwhile. It is a LockHeldError
+// too (errors.As finds it); its RetryAfter counts the whole seconds until the deadline.
+type ReservedError struct {
+	LockHeldError
+	PreferredHolder string
+	// Deadline is when the reservation ends, by the database's clock (zero when the body does not
+	// say).
+	Deadline time.Time
+}
+
+func (e *ReservedError) Error() string {
+	return fmt.Sprintf("reserved for %s until %s", e.PreferredHolder, e.Problem.String("deadline"))
+}
+
+// As lets errors.As find the LockHeldError (and so the APIError) in a ReservedError.
+func (e *ReservedError) As(target any) bool { return e.LockHeldError.asHeld(target) }
+
+// asHeld is the As of an error that embeds a LockHeldError: it finds that, or its APIError.
+func (e *LockHeldError) asHeld(target any) bool {
+	if held, ok := target.(**LockHeldError); ok {
+		*held = e
+		return true
+	}
+	return e.As(target)
 }
 
 // MaxHoldersMismatchError says that the key's held locks share another max_holders than the

@@ -83,6 +83,12 @@ type held struct {
 	holdLimitAt time.Time
 	lost        *LockLostError
 	timer       *time.Timer
+	// revocation is the first request to let go that an answer carried; revokedCh is closed then.
+	revocation *Revocation
+	revokedCh  chan struct{}
+	// cancelOnRevocation: the callback's context is cancelled with the request (set before the
+	// renewals start).
+	cancelOnRevocation bool
 }
 
 func newHeld(parent context.Context, ttl time.Duration, sentAt time.Time, first term,
@@ -91,6 +97,7 @@ func newHeld(parent context.Context, ttl time.Duration, sentAt time.Time, first 
 		ttl:         ttl,
 		renewerDone: make(chan struct{}),
 		lostCh:      make(chan struct{}),
+		revokedCh:   make(chan struct{}),
 		renewOnce:   renewOnce,
 	}
 	h.count(sentAt, first)
@@ -154,6 +161,36 @@ func (h *held) AtHoldLimit() bool {
 }
 
 func (h *held) atLimit() bool { return !h.limit.IsZero() && !h.limit.After(h.ends) }
+
+// RevocationRequested is closed once someone has asked the holder to let go
+// (Client.RequestRevocation), learnt from a renewal's answer, so within a renewal period (TTL/3)
+// of the request: finish the work cleanly and return, and the lock is released. Nothing is forced:
+// the lock is still held, and the context is not cancelled for it.
+func (h *held) RevocationRequested() <-chan struct{} { return h.revokedCh }
+
+// Revocation is the request to let go (who asked, why, by when), the first one made, or nil while
+// none is known.
+func (h *held) Revocation() *Revocation {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.revocation
+}
+
+// asked notes the first revocation request that the lock objects of an answer carry: a lock's, or
+// of a session's, any of its locks'.
+func (h *held) asked(locks ...Lock) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, lock := range locks {
+		if lock.Revocation != nil && h.revocation == nil {
+			h.revocation = lock.Revocation
+			close(h.revokedCh)
+			if h.cancelOnRevocation {
+				h.cancel() // the work stops; the lock is not lost, and is released after it
+			}
+		}
+	}
+}
 
 // count counts the lease from the send of the request whose answer gave t.
 func (h *held) count(sentAt time.Time, t term) {
@@ -296,6 +333,10 @@ func (h *held) stop() {
 // renewals go: the context is cancelled a safety margin before it (a tenth of the shorter of the
 // TTL and the hold, at least 100 ms), and Err is then a LockLostError with a HoldLimitError
 // inside. The limit is counted as the lease is, from the send of the latest answer that named it.
+//
+// A request that the holder let go (Client.RequestRevocation) closes RevocationRequested, and
+// Revocation says who asked, why and by when, once a renewal's answer carries it. It cancels
+// nothing: the lock is still held, and the callback decides when to finish and return.
 type Lease struct {
 	*held
 	client *Client
@@ -332,7 +373,9 @@ func (l *Lease) Lock() Lock {
 	return l.lock
 }
 
+// keep keeps a lock object the service answered, and notes the revocation request it carries.
 func (l *Lease) keep(lock Lock) {
+	l.asked(lock)
 	l.answerMu.Lock()
 	defer l.answerMu.Unlock()
 	if !l.Lost() {
@@ -375,7 +418,8 @@ func (l *Lease) renewOnce(ctx context.Context, within time.Duration) (term, erro
 // SessionLease is a held session (all its locks), renewed in the background every TTL/3 with one
 // request while WithSession's callback runs. Its Context is cancelled, and Done closed, as a
 // Lease's, the moment any of its locks may be lost (the service ends a session that lost one,
-// releasing the rest), and before its hold limit (SessionOptions.MaxHold), as a Lease's.
+// releasing the rest), and before its hold limit (SessionOptions.MaxHold), as a Lease's. Its
+// RevocationRequested is closed once a request to let go of any of its locks is learnt.
 type SessionLease struct {
 	*held
 	client *Client
@@ -409,6 +453,7 @@ func (s *SessionLease) renewOnce(ctx context.Context, within time.Duration) (ter
 	if err != nil {
 		return term{}, err
 	}
+	s.asked(renewed.Locks...)
 	s.answerMu.Lock()
 	if !s.Lost() {
 		s.session = renewed.Session
@@ -428,7 +473,9 @@ func (s *SessionLease) renewOnce(ctx context.Context, within time.Duration) (ter
 // the lease to lapse. After an acquire that took longer than a renewal period (a wait), it renews
 // once before fn starts, and counts the lease from that renewal. With opts.MaxHold, fn's context
 // is cancelled before the lock's hold limit, however the renewals go, and WithLock returns a
-// LockLostError with a HoldLimitError inside (errors.As finds it).
+// LockLostError with a HoldLimitError inside (errors.As finds it). A request that the holder let
+// go closes lease.RevocationRequested() and cancels nothing (with opts.CancelOnRevocation, fn's
+// context): return from fn to hand the lock over.
 func (c *Client) WithLock(ctx context.Context, opts AcquireOptions, fn func(ctx context.Context, lease *Lease) error) error {
 	if fn == nil {
 		return errors.New("helixlocks: WithLock needs a function to run while holding the lock")
@@ -450,6 +497,8 @@ func (c *Client) WithLock(ctx context.Context, opts AcquireOptions, fn func(ctx 
 	l := &Lease{client: c, grant: grant, lock: latest}
 	first := termOf(grant.TTL, latest.ExpiresAt, latest.TTLRemainingMs, latest.HoldLimitAt)
 	l.held = newHeld(ctx, grant.TTL, sentAt, first, l.renewOnce)
+	l.cancelOnRevocation = opts.CancelOnRevocation
+	l.asked(latest) // a request made during a long acquire, learnt from the confirming renewal
 	release := func(ctx context.Context, within time.Duration) error {
 		return c.release(ctx, grant.ID, grant.token, within)
 	}
@@ -483,6 +532,8 @@ func (c *Client) WithSession(ctx context.Context, opts SessionOptions,
 	s := &SessionLease{client: c, grant: grant, session: latest}
 	first := termOf(grant.TTL, latest.ExpiresAt, latest.TTLRemainingMs, latest.HoldLimitAt)
 	s.held = newHeld(ctx, grant.TTL, sentAt, first, s.renewOnce)
+	s.cancelOnRevocation = opts.CancelOnRevocation
+	s.asked(latest.Locks...)
 	release := func(ctx context.Context, within time.Duration) error {
 		return c.endSession(ctx, grant.ID, grant.token, within)
 	}

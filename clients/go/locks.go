@@ -37,6 +37,17 @@ type AcquireOptions struct {
 	// context a safety margin before it, with a HoldLimitError. Choose a little more than the
 	// longest honest run: a run still going at the limit is cut short. Default 0: none.
 	MaxHold time.Duration
+	// HoldAtLeast closes the key behind the grant (1 s to 7 days; exclusive locks with MaxHolders
+	// 1 only): no other lock of it is granted before Grant.ClosedUntil (its AcquiredAt plus
+	// HoldAtLeast, by the database's clock), whatever becomes of this one, released at once
+	// included. Acquires meanwhile get ClosedUntilError. So a job that many machines schedule runs
+	// once per interval, however their clocks differ. Default 0: the key stays open.
+	HoldAtLeast time.Duration
+	// CancelOnRevocation makes WithLock cancel the callback's context when a request that the
+	// holder let go is learnt (Client.RequestRevocation), as it does when the lock may be lost,
+	// though the lock is still held: it is released when the callback returns. For work that
+	// stops cleanly on cancellation. Default false: only lease.RevocationRequested() tells.
+	CancelOnRevocation bool
 }
 
 // Grant is an acquired lock: the lock object the service answered, and the token that proves
@@ -78,8 +89,10 @@ func (g *Grant) String() string {
 // the client asks again after the backoff's pause, at most Retry-After and what is left of the
 // wait. Every attempt carries one Idempotency-Key, so that a retry after a lost answer or a 503
 // (honouring Retry-After, for at most half the lease, at least 1 s) gets the same grant.
-// MaxHoldersMismatchError comes at once, never waited for. With MaxHold, the grant's HoldLimitAt
-// is its hold limit: renewals past it are refused (HoldLimitError).
+// MaxHoldersMismatchError comes at once, never waited for, and so does a ClosedUntilError whose
+// key opens after the wait's end. With MaxHold, the grant's HoldLimitAt is its hold limit:
+// renewals past it are refused (HoldLimitError). With HoldAtLeast, the grant's ClosedUntil is
+// until when it closed the key.
 func (c *Client) Acquire(ctx context.Context, opts AcquireOptions) (*Grant, error) {
 	ttl := opts.TTL
 	if ttl == 0 {
@@ -106,6 +119,9 @@ func (c *Client) Acquire(ctx context.Context, opts AcquireOptions) (*Grant, erro
 	}
 	if opts.MaxHold != 0 {
 		body["max_hold_seconds"] = seconds(opts.MaxHold) // likewise: no limit is not sent
+	}
+	if opts.HoldAtLeast != 0 {
+		body["hold_at_least_seconds"] = seconds(opts.HoldAtLeast)
 	}
 	got, sentAt, err := c.granted(ctx, "/v1/locks", body, ttl, opts.Wait, nil)
 	if err != nil {
@@ -174,13 +190,25 @@ func (c *Client) granted(ctx context.Context, path string, body map[string]any, 
 		if !errors.As(err, &held) || !time.Now().Before(giveUp) {
 			return nil, time.Time{}, err
 		}
+		left := time.Until(giveUp)
+		var closed *ClosedUntilError
+		isClosed := errors.As(err, &closed)
+		if isClosed && closed.RetryAfter > left {
+			// A closed key opens no sooner than Retry-After: asking again within the wait cannot help.
+			return nil, time.Time{}, err
+		}
 		// The service waited as long as it would (a round ends at its 60 s), or does not wait: ask
 		// again soon, never in a tight loop against a 409 that comes at once, never past the wait.
 		pause := backoff(round)
 		if held.RetryAfter < pause {
 			pause = held.RetryAfter
 		}
-		if left := time.Until(giveUp); left < pause {
+		// A key closed for longer than a round is refused at once until then: ask again once its
+		// opening is within a round, which the service then waits for.
+		if isClosed && closed.RetryAfter-closedRound > pause {
+			pause = closed.RetryAfter - closedRound
+		}
+		if left < pause {
 			pause = left
 		}
 		if err := sleep(ctx, pause); err != nil {
@@ -188,6 +216,11 @@ func (c *Client) granted(ctx context.Context, path string, body map[string]any, 
 		}
 	}
 }
+
+// closedRound is the longest the service waits in one acquire (60 s), less a margin for the
+// round trip: a waiting acquire asks for a key closed longer than that again once its opening is
+// this near.
+const closedRound = 50 * time.Second
 
 // Renew extends a held lock's lease to ttl from now, by the database's clock, or to its hold
 // limit if that comes first (Renewed.Limited); LockLostError if the lock is not the token's any
@@ -263,6 +296,49 @@ func (c *Client) release(ctx context.Context, id int64, token string, within tim
 		return nil
 	}
 	return err
+}
+
+// RevocationOptions say by when, and for whom, a revocation request asks the holder to let go.
+type RevocationOptions struct {
+	// Deadline is by when, from now, the asker would like the lock released (1 s to 24 h); after
+	// it an admin may force the release. Default 0: the service's, 60 s.
+	Deadline time.Duration
+	// PreferredHolder reserves the key, once released, for that holder until the deadline (an
+	// exclusive lock with MaxHolders 1 only): anyone else's acquire gets ReservedError meanwhile.
+	// Holder names are not authenticated: it orders honest workers, it is not access control.
+	// Default "": no reservation.
+	PreferredHolder string
+}
+
+// RequestRevocation asks the holder of a live lock to let go, saying why (reason: 1 to 1024
+// characters), and returns the lock, whose Revocation records the request: the first one made, as
+// a repeat changes nothing (so a lost answer or a 503 is retried safely). Nothing is forced: the
+// holder learns of it from its next renewal (Lease.RevocationRequested), finishes and releases.
+// Any key of the lock's organization may ask; no token is needed. A LockLostError if the lock has
+// ended; an APIError 404 if the key may see no such lock.
+func (c *Client) RequestRevocation(ctx context.Context, lockID int64, reason string, opts RevocationOptions) (*Lock, error) {
+	body := map[string]any{"reason": reason}
+	if opts.Deadline != 0 {
+		body["deadline_seconds"] = seconds(opts.Deadline)
+	}
+	if opts.PreferredHolder != "" {
+		body["preferred_holder"] = opts.PreferredHolder
+	}
+	got, err := c.send(ctx, call{
+		method:     http.MethodPost,
+		path:       fmt.Sprintf("/v1/locks/%d/revocation", lockID),
+		body:       fixed(body),
+		within:     defaultTimeout,
+		repeatable: true,
+	})
+	if err != nil {
+		return nil, err
+	}
+	var lock Lock
+	if err := decode(got, &lock); err != nil {
+		return nil, err
+	}
+	return &lock, nil
 }
 
 // Get returns one lock, in any state; an APIError 404 for none (or another organization's).

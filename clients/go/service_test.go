@@ -1005,3 +1005,209 @@ func TestServiceWatchHandsOverTheEventsInOrderAndResumesAfterACut(t *testing.T) 
 		t.Error("not opened again after the cut")
 	}
 }
+
+func TestServiceAKeyClosedByHoldAtLeastRefusesAcquiresUntilClosedUntilAndAWaitIsGrantedThen(t *testing.T) {
+	t.Parallel()
+	s := theService(t)
+	proxy := newFaultyProxy(t, s.url) // to count the requests of a wait that cannot help
+	locks := s.client(t, proxy.server.URL)
+	ctx := background(t)
+	job := jobType("closed")
+	closing := 2 * time.Second
+	grant, err := locks.Acquire(ctx, AcquireOptions{OrganizationID: org, JobType: job, TTL: 30 * time.Second, HoldAtLeast: closing})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if grant.ClosedUntil == nil || !grant.ClosedUntil.Equal(grant.AcquiredAt.Add(closing)) {
+		t.Fatalf("closed until %v by a grant at %s", grant.ClosedUntil, grant.AcquiredAt)
+	}
+	closedUntil := *grant.ClosedUntil
+	// Released at once, the key stays closed: the job ran, and no other machine runs it again.
+	if err := locks.Release(ctx, grant.ID, grant.Token()); err != nil {
+		t.Fatal(err)
+	}
+	_, err = locks.Acquire(ctx, AcquireOptions{OrganizationID: org, JobType: job})
+	var closed *ClosedUntilError
+	var held *LockHeldError
+	if !errors.As(err, &closed) || !errors.As(err, &held) || held.Kind() != "closed-until" {
+		t.Fatalf("%v", err)
+	}
+	if !closed.ClosedUntil.Equal(closedUntil) || closed.RetryAfter < time.Second || closed.RetryAfter > closing {
+		t.Errorf("%+v", closed)
+	}
+
+	// A wait that ends before the opening is refused at once, with one request.
+	asked := len(proxy.requests("POST", "/v1/locks"))
+	wait := 500 * time.Millisecond
+	started := time.Now()
+	_, err = locks.Acquire(ctx, AcquireOptions{OrganizationID: org, JobType: job, Wait: wait})
+	took := time.Since(started)
+	if !errors.As(err, &closed) || !closed.ClosedUntil.Equal(closedUntil) {
+		t.Fatalf("%v", err)
+	}
+	if took >= wait/2 || len(proxy.requests("POST", "/v1/locks")) != asked+1 {
+		t.Errorf("a %v wait of a closed key gave up after %v and %d requests", wait, took,
+			len(proxy.requests("POST", "/v1/locks"))-asked)
+	}
+
+	// A wait that outlasts the closing is granted once the key opens, by the database's clock.
+	opened, err := locks.Acquire(ctx, AcquireOptions{OrganizationID: org, JobType: job, Wait: 20 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer locks.Release(ctx, opened.ID, opened.Token())
+	if opened.AcquiredAt.Before(closedUntil) || opened.ClosedUntil != nil {
+		t.Errorf("granted at %s, the key closed until %s; closes until %v", opened.AcquiredAt, closedUntil, opened.ClosedUntil)
+	}
+
+	// Only an exclusive lock of one holder closes its key.
+	_, err = locks.Acquire(ctx, AcquireOptions{OrganizationID: org, JobType: jobType("closed"), MaxHolders: 2, HoldAtLeast: time.Minute})
+	var api *APIError
+	if !errors.As(err, &api) || api.Status != 422 {
+		t.Errorf("%v", err)
+	}
+}
+
+func TestServiceCancelOnRevocationCancelsTheCallbackWhichThenReleases(t *testing.T) {
+	t.Parallel()
+	s := theService(t)
+	locks := s.client(t, "")
+	ctx := background(t)
+	var seen *Lease
+	opts := AcquireOptions{OrganizationID: org, JobType: jobType("cancelled"), TTL: 3 * time.Second, CancelOnRevocation: true}
+	err := locks.WithLock(ctx, opts, func(work context.Context, lease *Lease) error {
+		seen = lease
+		if _, err := s.client(t, "").RequestRevocation(ctx, lease.ID(), "deploying v2", RevocationOptions{}); err != nil {
+			return err
+		}
+		select { // cancelled by the request, learnt from the next renewal
+		case <-work.Done():
+		case <-time.After(5 * time.Second):
+			return errors.New("the callback's context was not cancelled by the request")
+		}
+		if lease.Err() != nil || lease.Revocation() == nil {
+			t.Errorf("cancelled for a request, not a loss: %v, %+v", lease.Err(), lease.Revocation())
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ended, err := locks.Get(ctx, seen.ID()); err != nil || ended.ReleaseReason != "released" {
+		t.Errorf("%+v, %v", ended, err)
+	}
+}
+
+func TestServiceARevocationRequestReachesTheLeaseWhichFinishesWithoutCancellationAndReleases(t *testing.T) {
+	t.Parallel()
+	s := theService(t)
+	locks := s.client(t, "")
+	asker := s.client(t, "") // any key of the organization may ask
+	ctx := background(t)
+	job := jobType("revoked")
+	var seen *Lease
+	err := locks.WithLock(ctx, AcquireOptions{OrganizationID: org, JobType: job, TTL: 3 * time.Second},
+		func(ctx context.Context, lease *Lease) error {
+			seen = lease
+			if lease.Revocation() != nil {
+				t.Error("a revocation before any request")
+			}
+			asked, err := asker.RequestRevocation(ctx, lease.ID(), "deploying v2", RevocationOptions{Deadline: 30 * time.Second})
+			if err != nil {
+				return err
+			}
+			r := asked.Revocation
+			if r == nil || r.Reason != "deploying v2" || !r.Deadline.Equal(r.RequestedAt.Add(30*time.Second)) || r.By == "" {
+				t.Errorf("%+v", r)
+			}
+			// A repeat leaves the first request as it was.
+			again, err := asker.RequestRevocation(ctx, lease.ID(), "another reason", RevocationOptions{})
+			if err != nil || again.Revocation == nil || again.Revocation.Reason != r.Reason || !again.Revocation.RequestedAt.Equal(r.RequestedAt) {
+				t.Errorf("%+v, %v", again, err)
+			}
+			select { // learnt from the next renewal, a third of the ttl on
+			case <-lease.RevocationRequested():
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(5 * time.Second):
+				return errors.New("the revocation request was not learnt")
+			}
+			if got := lease.Revocation(); got == nil || got.Reason != "deploying v2" {
+				t.Errorf("%+v", got)
+			}
+			// Nothing is forced: the lock is still held, and the work finishes as it chooses.
+			if ctx.Err() != nil || lease.Err() != nil {
+				t.Errorf("a revocation request cancelled the work: %v, %v", ctx.Err(), lease.Err())
+			}
+			return nil
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ended, err := locks.Get(ctx, seen.ID())
+	if err != nil || ended.ReleaseReason != "released" || ended.Revocation == nil || ended.Revocation.Reason != "deploying v2" {
+		t.Errorf("%+v, %v", ended, err)
+	}
+	// Of an ended lock, a request is a loss to tell.
+	_, err = asker.RequestRevocation(ctx, seen.ID(), "too late", RevocationOptions{})
+	var lost *LockLostError
+	if !errors.As(err, &lost) || lost.Status != 410 {
+		t.Errorf("%v", err)
+	}
+
+	// A session's lease learns of a request for any of its locks.
+	jobs := []string{jobType("revoked-a"), jobType("revoked-b")}
+	err = locks.WithSession(ctx, SessionOptions{OrganizationID: org, JobTypes: jobs, TTL: 3 * time.Second},
+		func(ctx context.Context, session *SessionLease) error {
+			if _, err := asker.RequestRevocation(ctx, session.Locks()[jobs[1]].ID, "rebalancing", RevocationOptions{}); err != nil {
+				return err
+			}
+			select {
+			case <-session.RevocationRequested():
+			case <-time.After(5 * time.Second):
+				return errors.New("the session's revocation request was not learnt")
+			}
+			if got := session.Revocation(); got == nil || got.Reason != "rebalancing" || ctx.Err() != nil {
+				t.Errorf("%+v, %v", got, ctx.Err())
+			}
+			return nil
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestServiceAPreferredHolderIsGrantedTheReleasedKeyAndOthersAreRefusedReserved(t *testing.T) {
+	t.Parallel()
+	s := theService(t)
+	locks := s.client(t, "")
+	ctx := background(t)
+	job := jobType("handover")
+	leader, err := locks.Acquire(ctx, AcquireOptions{OrganizationID: org, JobType: job, TTL: 30 * time.Second, Holder: "leader"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	asked, err := locks.RequestRevocation(ctx, leader.ID, "hand over", RevocationOptions{Deadline: time.Minute, PreferredHolder: "successor"})
+	if err != nil || asked.Revocation == nil || asked.Revocation.PreferredHolder != "successor" {
+		t.Fatalf("%+v, %v", asked, err)
+	}
+	if err := locks.Release(ctx, leader.ID, leader.Token()); err != nil {
+		t.Fatal(err)
+	}
+	_, err = locks.Acquire(ctx, AcquireOptions{OrganizationID: org, JobType: job, Holder: "bystander"})
+	var reserved *ReservedError
+	var held *LockHeldError
+	if !errors.As(err, &reserved) || !errors.As(err, &held) || held.Kind() != "reserved" {
+		t.Fatalf("%v", err)
+	}
+	if reserved.PreferredHolder != "successor" || !reserved.Deadline.Equal(asked.Revocation.Deadline) || reserved.RetryAfter < time.Second {
+		t.Errorf("%+v", reserved)
+	}
+	successor, err := locks.Acquire(ctx, AcquireOptions{OrganizationID: org, JobType: job, Holder: "successor"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := locks.Release(ctx, successor.ID, successor.Token()); err != nil {
+		t.Error(err)
+	}
+}

@@ -31,6 +31,9 @@ type SessionOptions struct {
 	// MaxHold is a hold limit from the opening, as AcquireOptions.MaxHold is from a grant: no
 	// lease of the session, nor so of any of its locks (added ones too), runs past it.
 	MaxHold time.Duration
+	// CancelOnRevocation: as AcquireOptions.CancelOnRevocation, for a request about any lock
+	// of the session (WithSession).
+	CancelOnRevocation bool
 }
 
 // AddLocksOptions name the locks added to a held session.

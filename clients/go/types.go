@@ -57,6 +57,27 @@ type Lock struct {
 	// lock runs past it, however it is renewed. Nil without one (and from a service older than
 	// hold limits).
 	HoldLimitAt *time.Time `json:"hold_limit_at"`
+	// ClosedUntil is until when the grant closed its key (AcquiredAt + the acquire's HoldAtLeast):
+	// no other lock of the key is granted before it, whatever becomes of this one. Nil when the
+	// acquire closed nothing (and from a service older than closed keys).
+	ClosedUntil *time.Time `json:"closed_until"`
+	// Revocation is the request that the holder let go (Client.RequestRevocation), the first one
+	// made; nil when none was.
+	Revocation *Revocation `json:"revocation"`
+}
+
+// Revocation is a request that a lock's holder let go: nothing is forced, the lock is still held.
+// Times are the database's.
+type Revocation struct {
+	RequestedAt time.Time `json:"requested_at"`
+	Reason      string    `json:"reason"`
+	// Deadline is by when the asker would like the lock released; after it an admin may force it.
+	Deadline time.Time `json:"deadline"`
+	// By is the id of the API key that asked; empty for an anonymous request.
+	By string `json:"by"`
+	// PreferredHolder is the holder the key is reserved for, once released, until Deadline; empty
+	// for none.
+	PreferredHolder string `json:"preferred_holder"`
 }
 
 // Reclaimed is the stale lock an acquire took over.
@@ -136,7 +157,8 @@ type SessionRenewed struct {
 type Event struct {
 	// ID is the event's id in the stream: what a watch resumes after (WatchOptions.LastEventID).
 	ID string `json:"-"`
-	// Type is acquired, renewed, updated, released, forced, expired or reclaimed.
+	// Type is acquired, renewed, updated, released, forced, expired, reclaimed or
+	// revocation-requested (Lock.Revocation says who asked, why and by when).
 	Type string `json:"type"`
 	// At is when it happened, by the database's clock.
 	At   time.Time `json:"at"`

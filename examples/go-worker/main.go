@@ -20,6 +20,9 @@
 //	OUTPUT_FILE or WORKER_OUTPUT  gets a line "fencing_token holder lock_id acquired_at slot" per
 //	                     piece of work, as a storage layer would (default worker-output.txt)
 //
+// A request that the holder let go (POST /v1/locks/{id}/revocation) is learnt from a renewal: the
+// worker finishes the piece of work under way, releases the lock and takes it no more (exit 0).
+//
 // Exit status, as `helix-locks run`'s: 0 done; 75 the lock stayed held past WORKER_WAIT_SECONDS;
 // 69 the service could not be reached; 76 the lock was lost (a refused renewal, or renewals failing
 // until the lease was nearly over): the work was stopped at once and the lock not released; 1
@@ -123,6 +126,7 @@ func work(holder string) (int, error) {
 	if err != nil {
 		return 2, err
 	}
+	var revoked *helixlocks.Revocation
 	for i := 1; i <= iterations && ctx.Err() == nil; i++ {
 		err = client.WithLock(ctx, options, func(ctx context.Context, lease *helixlocks.Lease) error {
 			// The work. Real work passes ctx on to what it waits on (HTTP requests, commands): it is
@@ -139,11 +143,16 @@ func work(holder string) (int, error) {
 			// and the slot, by which storage keys its fence when several hold the key at once.
 			lock := lease.Lock()
 			line := fmt.Sprintf("%d %s %d %s %d\n", lock.FencingToken, lock.Holder, lock.ID, lock.AcquiredAt.Format(stamp), lock.Slot)
+			// A request to let go cancels nothing: the piece of work is done, and no other starts.
+			revoked = lease.Revocation()
 			return appendLine(output, line)
 		})
-		if err != nil {
+		if err != nil || revoked != nil {
 			break
 		}
+	}
+	if revoked != nil {
+		fmt.Fprintf(os.Stderr, "asked to let go (%s): stopped after this piece of work\n", revoked.Reason)
 	}
 	if status := atomic.LoadInt32(&interrupted); status != 0 {
 		return int(status), err
