@@ -35,6 +35,7 @@ VAGUE = {
     ("PATCH", "/v1/locks/{lock_id}"),
     ("POST", "/v1/sessions"),
     ("POST", "/v1/sessions/{session_id}/locks"),
+    ("POST", "/v1/locks/{lock_id}/revocation"),  # a reason or preferred holder with a NUL character
 }
 
 
@@ -72,8 +73,8 @@ def test_every_answer_conforms_and_no_error_is_a_5xx(
         # Schema-valid but refused (422) is right where the schema cannot say what is valid: a
         # cursor this service never issued, or text with a NUL character (PostgreSQL cannot store
         # it, and JSON Schema cannot say so for metadata nested at any depth) in an acquire's or an
-        # update's metadata, or a session's locks naming one job type twice (JSON Schema's
-        # uniqueItems compares whole items, not one field of them).
+        # update's metadata or a revocation request's reason, or a session's locks naming one job
+        # type twice (JSON Schema's uniqueItems compares whole items, not one field of them).
         excluded_checks=[positive_data_acceptance]
         if (case.operation.method.upper(), case.operation.path) in VAGUE
         else [],

@@ -95,6 +95,7 @@ async def test_every_outcome_is_counted(client: httpx.AsyncClient, conn: Conn) -
 # The bodies of the routes that take one other than an acquire's.
 BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("POST", "/v1/locks/{lock_id}/renew"): {"ttl_seconds": 30},
+    ("POST", "/v1/locks/{lock_id}/revocation"): {"reason": "deploy"},
     ("PATCH", "/v1/locks/{lock_id}"): {"metadata": {"done": 1}},
     ("POST", "/v1/sessions"): {"organization_id": "acme", "holder": "w1", "ttl_seconds": 30},
     ("POST", "/v1/sessions/{session_id}/locks"): {"locks": [{"job_type": "in-a-session"}]},

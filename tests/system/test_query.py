@@ -55,6 +55,7 @@ async def test_every_route_refuses_a_query_parameter_it_does_not_declare(client:
         ("GET", f"{at}?org=acme", {}),
         ("DELETE", f"{at}?org=acme", {"headers": token}),
         ("POST", f"{at}/renew?org=acme", {"headers": token, "json": {"ttl_seconds": 1}}),
+        ("POST", f"{at}/revocation?org=acme", {"json": {"reason": "deploy"}}),
         ("PATCH", f"{at}?org=acme", {"headers": token, "json": {"metadata": {"changed": True}}}),
         ("GET", "/v1/events?org=acme", {}),
         ("POST", "/v1/sessions?org=acme", {"json": opening}),
@@ -93,6 +94,7 @@ async def test_every_route_refuses_a_query_parameter_it_does_not_declare(client:
     assert [found["id"] for found in (await client.get("/v1/locks")).json()["items"]] == [lock["id"]]
     now = (await client.get(at)).json()
     assert (now["state"], now["metadata"], now["expires_at"]) == ("held", None, lock["expires_at"])
+    assert now["revocation"] is None, "nobody was asked to let go"
     kept = (await client.get(sat)).json()
     assert (kept["state"], kept["expires_at"], kept["locks"]) == ("held", session["expires_at"], [])
     assert (await client.get("/v1/locks", params={"job_type": "x"})).json()["items"] == []
